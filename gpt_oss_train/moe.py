@@ -1,0 +1,189 @@
+"""Mixture-of-experts: routing and the expert computation, with three back-ends.
+
+Routing (float32): logits = x @ W_r + b_r; take the top-k logits; softmax over those k
+only. Each selected expert e computes, with gate/up de-interleaved from the reference's
+fused gate_up projection:
+
+    gate = min(x @ Wg_e + bg_e, limit);  up = clip(x @ Wu_e + bu_e, -limit, limit)
+    y_e  = (gate * sigmoid(alpha * gate) * (up + 1)) @ Wo_e + bo_e
+
+and the token's output is sum_k w_k y_k.
+
+Back-ends (config.moe_impl), all exact, differing in cost and sharding:
+  dense    every expert on every token, then weighted: E/k times the FLOPs. The
+           obviously-correct reference, for tests and tiny models.
+  ragged   sort the (token, expert) pairs by expert and run grouped matmuls
+           (`jax.lax.ragged_dot`): FLOPs of the active experts only.
+  sharded  `ragged` inside `shard_map` with expert parallelism: each device holds
+           E/expert experts (and a slice of the hidden dim over `tensor`), computes the
+           pairs routed to its experts for the tokens of its `expert` group, and the
+           partial outputs are summed (psum over tensor, reduce-scatter over expert).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gpt_oss_train import sharding
+
+
+class ExpertWeights(NamedTuple):
+  wi_gate: jax.Array  # [E, D, F]
+  bi_gate: jax.Array  # [E, F]
+  wi_up: jax.Array    # [E, D, F]
+  bi_up: jax.Array    # [E, F]
+  wo: jax.Array       # [E, F, D]
+  bo: jax.Array       # [E, D]
+
+
+def route(x_td, kernel, bias, k: int):
+  """Top-k routing in float32. Returns (weights [T,k] f32, experts [T,k] i32, logits)."""
+  logits = jnp.dot(x_td.astype(jnp.float32), kernel.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) + bias.astype(jnp.float32)
+  top_logits, top_idx = jax.lax.top_k(logits, k)
+  return jax.nn.softmax(top_logits, axis=-1), top_idx.astype(jnp.int32), logits
+
+
+def load_balancing_loss(logits_te, top_idx_tk, valid_t):
+  """Switch-style auxiliary loss, E * sum_e f_e * p_e, over valid (non-padding) tokens:
+  f_e = share of top-k assignments that went to expert e (sums to k), p_e = mean router
+  probability of e. Equals k when routing is perfectly balanced."""
+  num_experts = logits_te.shape[-1]
+  valid = valid_t.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(valid), 1.0)
+  assigned = jnp.sum(jax.nn.one_hot(top_idx_tk, num_experts, dtype=jnp.float32), axis=1)
+  f = jnp.sum(assigned * valid[:, None], axis=0) / n
+  p = jnp.sum(jax.nn.softmax(logits_te, axis=-1) * valid[:, None], axis=0) / n
+  return num_experts * jnp.sum(f * p)
+
+
+def _glu(gate, up, limit: float, alpha: float):
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return gate * jax.nn.sigmoid(alpha * gate) * (up + 1.0)
+
+
+def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+  """Reference: all experts on all tokens, combined with a [T, E] routing matrix."""
+  t = x_td.shape[0]
+  num_experts = w.wi_gate.shape[0]
+  x = x_td.astype(dtype)
+  f32 = jnp.float32
+  gate = jnp.einsum("td,edf->tef", x, w.wi_gate.astype(dtype), preferred_element_type=f32)
+  up = jnp.einsum("td,edf->tef", x, w.wi_up.astype(dtype), preferred_element_type=f32)
+  act = _glu(gate + w.bi_gate.astype(f32), up + w.bi_up.astype(f32), limit, alpha)
+  y = jnp.einsum("tef,efd->ted", act.astype(dtype), w.wo.astype(dtype),
+                 preferred_element_type=f32) + w.bo.astype(f32)
+  combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(weights_tk)
+  return jnp.einsum("te,ted->td", combine, y)
+
+
+def _grouped_ffn(x_rd, expert_r, group_sizes, w: ExpertWeights, *, limit, alpha, dtype,
+                 add_out_bias=True):
+  """Rows already sorted by expert; group_sizes[e] rows belong to expert e. Rows past
+  sum(group_sizes) (if any) come out as zeros."""
+  f32 = jnp.float32
+  x = x_rd.astype(dtype)
+  gate = jax.lax.ragged_dot(x, w.wi_gate.astype(dtype), group_sizes, preferred_element_type=f32)
+  up = jax.lax.ragged_dot(x, w.wi_up.astype(dtype), group_sizes, preferred_element_type=f32)
+  e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
+  act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
+  y = jax.lax.ragged_dot(act.astype(dtype), w.wo.astype(dtype), group_sizes,
+                         preferred_element_type=f32)
+  if add_out_bias:
+    y = y + w.bo.astype(f32)[e]
+  return y
+
+
+def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+  """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum."""
+  t, k = idx_tk.shape
+  num_experts = w.wi_gate.shape[0]
+  flat = idx_tk.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  y = _grouped_ffn(x_td[order // k], flat[order], group_sizes, w, limit=limit, alpha=alpha,
+                   dtype=dtype)
+  y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
+  return jnp.einsum("tk,tkd->td", weights_tk, y)
+
+
+def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+  """Expert parallelism under shard_map (see module docstring). Falls back to `ragged`
+  without an active mesh."""
+  ctx = sharding.active()
+  if ctx is None:
+    return ragged_experts(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
+  mesh, rules = ctx
+  spec = lambda *names: sharding.logical_to_spec(names, rules)
+  tok = spec("batch", None)
+  exp_spec = spec("exp", None, "mlp")
+  exp_axes = _axes(exp_spec[0])
+  mlp_axes = _axes(exp_spec[2])
+  tok_axes = _axes(tok[0])
+  # Tokens are gathered over the axes that shard experts (each device then sees every
+  # token its experts may receive) and stay sharded over the rest of the batch axes.
+  gather_axes = tuple(a for a in tok_axes if a in exp_axes)
+  num_experts = w.wi_gate.shape[0]
+  n_exp_shards = math.prod(mesh.shape[a] for a in exp_axes)
+  local_e = num_experts // n_exp_shards
+  if num_experts % n_exp_shards:
+    raise ValueError(f"num_experts={num_experts} is not divisible by the {n_exp_shards} "
+                     f"devices of mesh axes {exp_axes} that shard experts")
+  w_specs = ExpertWeights(wi_gate=spec("exp", None, "mlp"), bi_gate=spec("exp", "mlp"),
+                          wi_up=spec("exp", None, "mlp"), bi_up=spec("exp", "mlp"),
+                          wo=spec("exp", "mlp", None), bo=spec("exp", None))
+
+  def local(x, wts, idx, lw):
+    for ax in gather_axes:
+      x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
+    t, k = idx.shape
+    shard = _flat_index(exp_axes)
+    first = shard * local_e
+    flat = idx.reshape(-1) - first
+    mine = (flat >= 0) & (flat < local_e)
+    key = jnp.where(mine, flat, local_e)          # not-mine rows sort to the end
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
+    # The output bias is added by one tensor shard only, so the psum adds it once.
+    add_bias = _flat_index(mlp_axes) == 0
+    y = _grouped_ffn(x[order // k], key[order], group_sizes, lw, limit=limit, alpha=alpha,
+                     dtype=dtype, add_out_bias=False)
+    y = y + jnp.where(add_bias, lw.bo.astype(jnp.float32)[jnp.clip(key[order], 0, local_e - 1)],
+                      0.0)
+    y = jnp.where(mine[order][:, None], y, 0.0)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
+    out = jnp.einsum("tk,tkd->td", wts, y)
+    if mlp_axes:
+      out = jax.lax.psum(out, mlp_axes)
+    for ax in reversed(gather_axes):
+      out = jax.lax.psum_scatter(out, ax, scatter_dimension=0, tiled=True)
+    others = tuple(a for a in exp_axes if a not in gather_axes)
+    if others:  # experts sharded over an axis that does not shard tokens
+      out = jax.lax.psum(out, others)
+    return out
+
+  fn = jax.shard_map(local, mesh=mesh,
+                     in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False)
+  return fn(x_td, weights_tk, idx_tk, w)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _flat_index(axes: tuple[str, ...]):
+  """This device's index along the product of `axes` (major to minor)."""
+  idx = 0
+  for ax in axes:
+    idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
+  return idx
+
+
+EXPERT_IMPLS = {"dense": dense_experts, "ragged": ragged_experts, "sharded": sharded_experts}

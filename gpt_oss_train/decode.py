@@ -25,8 +25,8 @@ Modes
                final stop id), "messages" (chats: Tokenizer.parse_completion),
                "stop_reason" ("stop" | "length"), "timing": {"prefill_s", "total_s",
                "tokens_per_s", "batch_rows"}}
-            Timings are those of the batch the line ran in (the first batch includes
-            compilation). A line that cannot run gives {"index", "error": "line N: ..."}
+            prefill_s and total_s are those of the batch the line ran in (the first
+            batch includes compilation); tokens_per_s is the line's tokens / total_s. A line that cannot run gives {"index", "error": "line N: ..."}
             and a warning; the others still run.
   score     --input=JSONL: lines {"tokens": [ids]} or {"text": "..."} (encoded with no
             end-of-text added) -> {"index", "num_tokens", "logprobs" (n-1 values,

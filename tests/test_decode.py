@@ -199,7 +199,7 @@ def test_score_matches_transformers(hf_dir, hf_model):
 
 
 def test_score_of_text_equals_training_loss(workdir):
-  from gpt_oss_train import train
+  from gpt_oss_train.steps import make_loss_fn  # what the train step uses
   model = decode.load_model(workdir, dtype="float32")
   text = "def add(a, b):\n    return a + b\n"
   rec = decode.run_score(model, _jsonl({"text": text}), OPTS)[0]
@@ -208,7 +208,7 @@ def test_score_of_text_equals_training_loss(workdir):
   batch = {"inputs": ids[None, :-1], "targets": ids[None, 1:],
            "positions": np.arange(n, dtype=np.int32)[None],
            "segment_ids": np.ones((1, n), np.int32), "loss_mask": np.ones((1, n), np.int32)}
-  loss_fn = train.make_loss_fn(model.md, decode.get_config().train)
+  loss_fn = make_loss_fn(model.md, decode.get_config().train)
   with model.scope():
     _, stats = jax.jit(loss_fn)(model.params, batch)
   assert float(stats["tokens"]) == n

@@ -283,3 +283,21 @@ def test_params_are_born_sharded_by_logical_rules():
   # same numbers as an unsharded init
   ref = md.init(0)
   np.testing.assert_array_equal(np.asarray(wi), np.asarray(ref["blocks"]["full"]["moe"]["wi_gate"]))
+
+
+def test_decode_sized_batches_take_the_gathered_path_and_match_reference():
+  x, kernel, bias, w = _moe_inputs(t=3, e=24)  # 4 x 3 tokens x k=2 <= 24 experts
+  ref = numpy_moe(x, kernel, bias, w, k=2)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
+  ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
+  got = moe_lib.ragged_experts(f32(x), weights, idx, ew, limit=7.0, alpha=1.702,
+                               dtype=jnp.float32)
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+  # and the int8 weights gather only what they need, still close to the float path
+  from gpt_oss_train import quantize
+  qw = ew._replace(wi_gate=quantize.quantize_int8(ew.wi_gate, (1,)),
+                   wo=quantize.quantize_int8(ew.wo, (1,)))
+  got_q = moe_lib.ragged_experts(f32(x), weights, idx, qw, limit=7.0, alpha=1.702,
+                                 dtype=jnp.float32)
+  assert 0 < np.abs(got_q - got).max() < 0.05 * np.abs(ref).max()

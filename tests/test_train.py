@@ -17,6 +17,7 @@ import pytest
 from gpt_oss_train import checkpoint as ckpt_lib
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import data as data_lib
+from gpt_oss_train import steps as steps_lib
 from gpt_oss_train import train as train_lib
 from gpt_oss_train.model import ModelDef
 
@@ -84,7 +85,7 @@ def test_gradient_accumulation_equals_a_bigger_batch():
   grads, metrics = [], []
   for k in (1, 4):
     t = tiny_config(aux_loss_coef=0.0, z_loss_coef=1e-3, grad_accum_steps=k).train
-    step = jax.jit(train_lib.make_train_step(md, tx, lambda _: 1.0, t))
+    step = jax.jit(steps_lib.make_train_step(md, tx, lambda _: 1.0, t))
     state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
     new_state, m = step(state, batch)
     grads.append(jax.tree.map(lambda a, b: a - b, params, new_state["params"]))

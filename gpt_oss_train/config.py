@@ -162,7 +162,7 @@ def default_config() -> ml_collections.ConfigDict:
       peak_flops_per_device=0.0,  # 0: look it up from the device kind
   ))
   c.data = ml_collections.ConfigDict(dict(
-      source="stdlib",            # see data.py for the accepted forms
+      source="stdlib",            # see sources.py for the accepted forms
       eval_source="",             # "" with source=stdlib: a held-out slice of it
       shuffle=True,
       num_workers=0,              # grain worker processes (0: in the main process)

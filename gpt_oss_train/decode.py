@@ -34,13 +34,11 @@ Modes
             (exp of minus the mean)}.
             --data=SPEC (any training source): mean next-token loss and perplexity over
             --num_batches batches of --batch_size x --seq_len from its "eval" split.
-  chat      Harmony chat on stdin/stdout. /reset clears the history, /exit or EOF ends.
-            The final channel is printed; analysis/commentary only with --show_analysis
-            (dimmed on a terminal). The reply is generated whole and then printed
-            through the Harmony stream parser: the decode loop is one compiled
-            while_loop, so tokens do not reach the host one by one.
+  chat      Harmony chat on stdin/stdout (chat.py). /reset clears the history, /exit or
+            EOF ends. The final channel streams as it is generated; analysis and
+            commentary only with --show_analysis (dimmed on a terminal).
   benchmark --batch_sizes=1,4 --prompt_lengths=16,128 --max_new_tokens=32 --repeats=3:
-            random prompts, greedy, exactly max_new_tokens (no stop ids); per case,
+            (benchmarking.py) random prompts, greedy, exactly max_new_tokens (no stop ids); per case,
             after a warm-up, medians of: time to first token (prefill + first token),
             prefill tokens/s, decode tokens/s (batch * new tokens / decode time).
             --compare_hf (HF folders): transformers' GptOssForCausalLM.generate on the
@@ -165,13 +163,13 @@ class LoadedModel:
   def cfg(self):
     return self.md.cfg
 
-  def generator(self, prefill_chunk: int, int8_kv_cache: bool) -> Generator:
+  def generator(self, prefill_chunk: int, int8_kv_cache: bool, on_token=None) -> Generator:
     """One Generator per setting, kept: its compiled prefill/decode are reused by later
     calls on this model (chat turns, repeated runs in one process)."""
-    key = ("generator", prefill_chunk, int8_kv_cache)
+    key = ("generator", prefill_chunk, int8_kv_cache, on_token)
     if key not in self._compiled:
       self._compiled[key] = Generator(self.md, self.params, prefill_chunk=prefill_chunk,
-                                      int8_kv_cache=int8_kv_cache)
+                                      int8_kv_cache=int8_kv_cache, on_token=on_token)
     return self._compiled[key]
 
   def scorer(self):
@@ -242,7 +240,7 @@ def _batch_rows(n: int, batch_size: int) -> int:
   return min(batch_size, _pow2_at_least(n))
 
 
-def _prefill_chunk(prefill_chunk: int, longest: int) -> int:
+def prefill_chunk_for(prefill_chunk: int, longest: int) -> int:
   """A chunk no longer than the longest prompt needs: short prompts are not padded to a
   256-token chunk (prefill cost is the padded length)."""
   return min(prefill_chunk, max(16, _pow2_at_least(longest)))
@@ -374,7 +372,7 @@ def stop_slots(stop_ids: Sequence[int], multiple: int = 4) -> list[int]:
   return ids + list(range(-1, -pad - 1, -1))
 
 
-def _completion_text(tokens: list[int], stop_reason: str) -> str | None:
+def completion_text(tokens: list[int], stop_reason: str) -> str | None:
   body = tokens[:-1] if stop_reason == "stop" and tokens else tokens
   try:
     return _tokenizer().decode(body)
@@ -402,7 +400,7 @@ def _generate_batch(gen: Generator, model: LoadedModel, batch: list[Request], li
   records = []
   for r, out in zip(batch, outs):
     rec = {"index": r.index, "tokens": out["tokens"], "logprobs": out["logprobs"],
-           "text": _completion_text(out["tokens"], out["stop_reason"])}
+           "text": completion_text(out["tokens"], out["stop_reason"])}
     if r.kind == "messages":
       rec["messages"] = _tokenizer().parse_completion(out["tokens"])
     rec["stop_reason"] = out["stop_reason"]
@@ -424,7 +422,7 @@ def run_generate(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
     except LineError as e:
       results[i] = error_record(i, str(e))
   if requests:
-    chunk = _prefill_chunk(opts.prefill_chunk, max(len(r.prompt) for r in requests))
+    chunk = prefill_chunk_for(opts.prefill_chunk, max(len(r.prompt) for r in requests))
     gen = model.generator(chunk, opts.int8_kv_cache)
     for batch in _batches(requests, opts.batch_size):
       for rec in _generate_batch(gen, model, batch, limit, opts):
@@ -556,220 +554,6 @@ def evaluate_data(model: LoadedModel, spec: str, *, num_batches: int, batch_size
           "loss": loss, "perplexity": math.exp(loss)}
 
 
-# ----------------------------------------------------------------------------- chat
-
-
-class _ReplyPrinter:
-  """Prints a reply's text by channel: final plainly; analysis and commentary only when
-  asked, dimmed on a terminal (else marked with the channel name)."""
-
-  def __init__(self, out, show_analysis: bool, tty: bool):
-    self.out, self.show, self.tty = out, show_analysis, tty
-    self.channel = None
-    self.printed_final = False
-    self.open_dim = False
-
-  def write(self, channel: str | None, delta: str):
-    if not delta:
-      return
-    final = channel in ("final", None)
-    if not (final or self.show):
-      return
-    if channel != self.channel:
-      self._close_dim()
-      if self.channel is not None:
-        self.out.write("\n")
-      if not final:
-        self.out.write("\x1b[2m" if self.tty else f"[{channel}] ")
-        self.open_dim = self.tty
-      self.channel = channel
-    self.out.write(delta)
-    self.out.flush()
-    self.printed_final |= final
-
-  def _close_dim(self):
-    if self.open_dim:
-      self.out.write("\x1b[0m")
-      self.open_dim = False
-
-  def end(self):
-    self._close_dim()
-    self.out.write("\n")
-    self.out.flush()
-
-
-def print_reply(tokens: list[int], out, *, show_analysis: bool, tty: bool) -> list[dict]:
-  """Streams the reply's text through Harmony's parser; returns its messages. A reply
-  the parser cannot read (an untrained model's) is printed as raw text."""
-  tok = _tokenizer()
-  printer = _ReplyPrinter(out, show_analysis, tty)
-  parser = tok.stream_parser()
-  try:
-    for t in tokens:
-      printer.write(*parser.process(t))
-    messages = parser.finish()
-  except tok_lib.HarmonyError:
-    messages = tok.parse_completion(tokens)
-  if not printer.printed_final:
-    # Header-less text is only known to be content at the end; show whatever there is.
-    finals = [m["content"] for m in messages if m["channel"] in ("final", None)]
-    printer.write(None, "".join(finals) or tok.decode(tokens))
-  printer.end()
-  return messages
-
-
-def run_chat(model: LoadedModel, opts: Options, stdin=None, stdout=None) -> int:
-  stdin = stdin or sys.stdin
-  stdout = stdout or sys.stdout
-  interactive = stdin.isatty()
-  tty = stdout.isatty()
-  tok = _tokenizer()
-  limit = cache_limit(model.cfg.max_position_embeddings, opts)
-  gen = model.generator(opts.prefill_chunk, opts.int8_kv_cache)
-  history: list[dict] = []
-  if interactive:
-    stdout.write("Chat with the model. /reset clears the conversation, /exit ends it.\n")
-  for turn in itertools.count():
-    if interactive:
-      stdout.write("you> ")
-      stdout.flush()
-    line = stdin.readline()
-    if not line:
-      break
-    text = line.strip()
-    if text == "/exit":
-      break
-    if text == "/reset":
-      history.clear()
-      stdout.write("(conversation cleared)\n")
-      continue
-    if not text:
-      continue
-    history.append({"role": "user", "content": text})
-    prompt = tok.render_chat(history, opts.reasoning_effort)
-    if len(prompt) + 1 > limit:
-      history.pop()
-      stdout.write(f"(the conversation is {len(prompt)} tokens; the cache holds {limit}. "
-                   "/reset to start over)\n")
-      continue
-    max_len = min(cache_length(len(prompt) + opts.max_new_tokens), limit)
-    with model.scope():
-      out = gen.generate([prompt], max_new_tokens=opts.max_new_tokens,
-                         stop_ids=stop_slots(tok.stop_ids), sampling=opts.sampling,
-                         seeds=[(opts.seed + turn) % 2**32], max_len=max_len)[0]
-    stdout.write("assistant> ")
-    messages = print_reply(out["tokens"], stdout, show_analysis=opts.show_analysis, tty=tty)
-    if out["stop_reason"] == "length":
-      stdout.write(f"(reply cut at {len(out['tokens'])} tokens)\n")
-    # Only the assistant's own messages go back into the history (a garbled reply could
-    # parse as some other role, which would make the next prompt invalid).
-    replies = [{k: v for k, v in m.items() if v is not None} for m in messages
-               if m["role"] == "assistant"]
-    history.extend(replies or [{"role": "assistant",
-                                "content": _completion_text(out["tokens"], "stop") or ""}])
-  return 0
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-
-def benchmark_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
-  return np.random.RandomState(seed).randint(0, vocab_size, (batch, length)).tolist()
-
-
-def _median_ms(xs):
-  return 1000 * statistics.median(xs)
-
-
-def benchmark(model: LoadedModel, *, batch_sizes: Sequence[int],
-              prompt_lengths: Sequence[int], max_new_tokens: int, repeats: int,
-              opts: Options) -> list[dict]:
-  """Per (batch, prompt length): after one warm-up (compilation), the medians over
-  `repeats` runs of time to first token, prefill tokens/s and decode tokens/s."""
-  limit = cache_limit(model.cfg.max_position_embeddings, opts)
-  md = model.md
-  # Greedy first token from the prompt's last hidden state: the time to first token is
-  # prefill + this, without the decode loop's feeding of that token back.
-  first_token = jax.jit(lambda p, h: jnp.argmax(md.bind(p).logits(h[:, None])[:, 0], -1))
-  rows = []
-  for length in prompt_lengths:
-    max_len = cache_length(length + max_new_tokens)
-    if max_len > limit:
-      raise DecodeError(f"--prompt_lengths={length} with --max_new_tokens={max_new_tokens} "
-                        f"needs a cache of {max_len}, over the limit of {limit}")
-    gen = model.generator(_prefill_chunk(opts.prefill_chunk, length), opts.int8_kv_cache)
-    for batch in batch_sizes:
-      prompts = benchmark_prompts(model.cfg.vocab_size, batch, length, opts.seed)
-
-      def once():
-        t0 = time.perf_counter()
-        cache, last, lengths = gen.prefill(prompts, max_len)
-        jax.block_until_ready(last)
-        t1 = time.perf_counter()
-        jax.block_until_ready(first_token(model.params, last))
-        t2 = time.perf_counter()
-        outs = gen.decode(cache, last, lengths, max_len=max_len,
-                          max_new_tokens=max_new_tokens, stop_ids=[])
-        t3 = time.perf_counter()
-        assert all(len(o["tokens"]) == max_new_tokens for o in outs)
-        return t1 - t0, t2 - t0, t3 - t2
-
-      with model.scope():
-        once()  # compiles
-        prefill, ttft, dec = zip(*[once() for _ in range(repeats)])
-      rows.append({"batch": batch, "prompt_len": length, "new_tokens": max_new_tokens,
-                   "ttft_ms": _median_ms(ttft),
-                   "prefill_tok_s": batch * length / statistics.median(prefill),
-                   "decode_tok_s": batch * max_new_tokens / statistics.median(dec)})
-      logging.info("benchmark %s", rows[-1])
-  return rows
-
-
-def hf_benchmark(path: str, cases: Sequence[tuple[int, int, list[list[int]]]], *,
-                 dtype: str, max_new_tokens: int, repeats: int) -> list[dict]:
-  """transformers' GptOssForCausalLM.generate, greedy, on (batch, length, prompts) cases:
-  time to first token = generate(1 token); decode tokens/s from the time the other
-  max_new_tokens - 1 tokens add."""
-  import torch
-  import transformers
-  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-  model = transformers.GptOssForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-  logging.info("transformers %s, attention %s, %d torch threads", transformers.__version__,
-               model.config._attn_implementation, torch.get_num_threads())
-
-  def run(ids, n):
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-      out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
-    assert out.shape[1] == ids.shape[1] + n
-    return time.perf_counter() - t0
-
-  rows = []
-  for batch, length, prompts in cases:
-    ids = torch.tensor(prompts, dtype=torch.long)
-    run(ids, 1)  # warm-up
-    run(ids, max_new_tokens)
-    one, full = zip(*[(run(ids, 1), run(ids, max_new_tokens)) for _ in range(repeats)])
-    decode_s = max(statistics.median(full) - statistics.median(one), 1e-9)
-    rows.append({"batch": batch, "prompt_len": length, "hf_ttft_ms": _median_ms(one),
-                 "hf_decode_tok_s": batch * (max_new_tokens - 1) / decode_s})
-    logging.info("hf benchmark %s", rows[-1])
-  return rows
-
-
-BENCH_COLUMNS = ("batch", "prompt_len", "new_tokens", "ttft_ms", "prefill_tok_s",
-                 "decode_tok_s", "hf_ttft_ms", "hf_decode_tok_s")
-
-
-def format_table(rows: list[dict]) -> str:
-  cols = [c for c in BENCH_COLUMNS if any(c in r for r in rows)]
-  cell = lambda v: "-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
-  table = [cols] + [[cell(r.get(c)) for c in cols] for r in rows]
-  widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-  return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table)
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -895,7 +679,10 @@ def _run(f) -> int:
         json.dump(result, out)
     return 0
   if f.mode == "chat":
-    return run_chat(model, opts)
+    from gpt_oss_train import chat
+    return chat.run_chat(model, opts)
+  from gpt_oss_train.benchmarking import (benchmark, benchmark_prompts, format_table,
+                                          hf_benchmark)
   rows = benchmark(model, batch_sizes=batch_sizes, prompt_lengths=prompt_lengths,
                    max_new_tokens=f.max_new_tokens, repeats=f.repeats, opts=opts)
   if f.compare_hf:

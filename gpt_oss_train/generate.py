@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from gpt_oss_train import quantize
 from gpt_oss_train.config import ModelConfig
@@ -79,7 +80,10 @@ class Generator:
   """Holds compiled prefill/decode functions for one model and parameter tree."""
 
   def __init__(self, model_def: ModelDef, params, *, prefill_chunk: int = 256,
-               int8_kv_cache: bool = False):
+               int8_kv_cache: bool = False, on_token=None):
+    """`on_token(tokens [b], live [b])`, if given, is called on the host with every
+    step's sampled tokens while the compiled loop runs (an ordered io_callback): the
+    hook for streaming output."""
     self.md = model_def
     self.cfg = model_def.cfg
     self.params = params
@@ -87,6 +91,7 @@ class Generator:
     self.ring = max(self.cfg.sliding_window, prefill_chunk)
     self.int8_kv = int8_kv_cache
     self.dtype = DTYPES[self.cfg.dtype]
+    self.on_token = on_token
     self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
     self._decode = jax.jit(self._decode_loop, donate_argnums=(1,),
                            static_argnames=("max_new", "sampling"))
@@ -119,6 +124,8 @@ class Generator:
       tok = _sample(logits, keys, s["step"], sampling)
       logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], 1)[:, 0]
       live = ~s["done"]
+      if self.on_token is not None:
+        io_callback(self.on_token, None, tok, live, ordered=True)
       tokens = s["tokens"].at[:, s["step"]].set(jnp.where(live, tok, 0))
       logprobs = s["logprobs"].at[:, s["step"]].set(jnp.where(live, logp, 0.0))
       lengths = s["lengths"] + live.astype(jnp.int32)

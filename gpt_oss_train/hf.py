@@ -28,7 +28,8 @@ On-disk layout (checked against transformers 5.24 ``save_pretrained``; per layer
 MXFP4 folders (``quantization_config.quant_method == "mxfp4"``) replace the two expert
 matrices by ``{gate_up,down}_proj_blocks`` uint8 [E, out, in/32, 16] and
 ``{gate_up,down}_proj_scales`` uint8 [E, out, in/32] (note: (out, in) order, unlike the
-dense tensors); see :func:`dequantize_mxfp4`.
+dense tensors); the codec is :mod:`gpt_oss_train.mxfp4`. config.json is mapped by
+:mod:`gpt_oss_train.hf_config`, the file format read by :mod:`gpt_oss_train.safetensors_io`.
 
 Our tree (the contract with the model) groups HF layers in 2-layer blocks: HF layer 2i is
 block i of ``blocks/sliding``, HF layer 2i+1 is block i of ``blocks/full``; every block
@@ -41,382 +42,32 @@ import json
 import math
 import os
 import shutil
-import struct
 import tempfile
 from typing import Any, Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
+from gpt_oss_train.hf_config import (check_model_dict, generation_config,
+                                     hf_config_to_model_dict, model_dict_to_hf_config)
+from gpt_oss_train.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from gpt_oss_train.safetensors_io import (FLOAT_DTYPES, ST_DTYPES, TensorInfo, read_header,
+                                          write_safetensors)
+
 __all__ = [
-    "MODEL_FIELDS",
     "HFCheckpoint",
-    "dequantize_mxfp4",
-    "quantize_mxfp4",
-    "hf_config_to_model_dict",
-    "model_dict_to_hf_config",
     "param_shapes",
     "hf_tensor_names",
     "load_params",
+    "load_sharded",
     "save_hf",
 ]
 
-# Keys of our model-config dict (same order as gpt_oss_train.config.ARCH_FIELDS).
-MODEL_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "num_experts",
-    "experts_per_token",
-    "intermediate_size",
-    "sliding_window",
-    "rope_theta",
-    "rope_scaling_factor",
-    "rope_original_max_position",
-    "rope_beta_fast",
-    "rope_beta_slow",
-    "rope_truncate",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "swiglu_limit",
-)
-
-# GPT-OSS (o200k_harmony) special tokens.
-BOS_ID = 199998  # <|startoftext|>
-PAD_ID = 199999  # <|endoftext|>
-EOS_ID = 200002  # <|return|>
-GENERATION_EOS_IDS = (200002, 199999, 200012)  # <|return|>, <|endoftext|>, <|call|>
-SWIGLU_ALPHA = 1.702  # hard-wired in the model
-
-SLIDING, FULL = "sliding_attention", "full_attention"
 KINDS = ("sliding", "full")  # block i of KINDS[j] is HF layer 2i + j
-
-# E2M1 (FP4) code -> value: bit 3 sign, bits 2-1 exponent, bit 0 mantissa.
-FP4_VALUES = np.array(
-    [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
-
-# safetensors dtype names.
-_ST_DTYPES = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
-    "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "I32": np.dtype("<i4"), "U32": np.dtype("<u4"),
-    "I64": np.dtype("<i8"), "U64": np.dtype("<u8"), "BOOL": np.dtype("?"),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-}
-_FLOAT_ST = ("F64", "F32", "F16", "BF16")
 _SAVE_DTYPES = {"float32": ("F32", np.dtype("<f4")), "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16))}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-# --------------------------------------------------------------------------
-# MXFP4
-# --------------------------------------------------------------------------
-
-
-# Byte -> its two values: [b, 0] = low nibble (element 2i), [b, 1] = high nibble (2i+1).
-_FP4_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], -1)
-_DEQ_ROWS = 256  # output rows per chunk: keeps the temporaries small and the transpose cached
-
-
-def _dequant_rows(blk: np.ndarray, scl: np.ndarray, out_t: np.ndarray) -> None:
-    """blk uint8 [O, G, 16], scl uint8 [O, G] -> writes out_t [G*32, O] (float32)."""
-    o, g, _ = blk.shape
-    for r0 in range(0, o, _DEQ_ROWS):
-        r1 = min(o, r0 + _DEQ_ROWS)
-        vals = _FP4_PAIRS[blk[r0:r1]]  # [r, G, 16, 2]
-        exp = scl[r0:r1].astype(np.int32) - 127
-        np.ldexp(vals, exp[:, :, None, None], out=vals)  # exact (power-of-two scaling)
-        out_t[:, r0:r1] = vals.reshape(r1 - r0, g * 32).T
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 -> float32, transposed to the (in, out) orientation used as ``x @ W``.
-
-    blocks: uint8 [..., out, nblk, 16]; each byte holds two E2M1 codes, the low nibble
-    being element 2i and the high nibble element 2i+1 of a 32-element block along the input
-    axis. scales: uint8 [..., out, nblk], E8M0 (value = code * 2**(scale - 127)).
-    Returns float32 [..., in = nblk*32, out]. Processes one leading index at a time.
-    """
-    blocks = np.asarray(blocks)
-    scales = np.asarray(scales)
-    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
-        raise ValueError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
-    if blocks.ndim < 3 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} / scales {scales.shape}: expected "
-                         "blocks [..., out, nblk, 16] and scales [..., out, nblk]")
-    *lead, o, g, _ = blocks.shape
-    out = np.empty((*lead, g * 32, o), np.float32)
-    n = math.prod(lead)
-    b2 = blocks.reshape(n, o, g, 16)
-    s2 = scales.reshape(n, o, g)
-    o2 = out.reshape(n, g * 32, o)
-    for i in range(n):
-        _dequant_rows(b2[i], s2[i], o2[i])
-    return out
-
-
-# Round-to-nearest onto the E2M1 magnitudes [0, .5, 1, 1.5, 2, 3, 4, 6], ties to the even
-# code (IEEE style): the midpoint between codes c and c+1 rounds down when c is even.
-_MID_DOWN = np.array([0.25, 1.25, 2.5, 5.0])  # ties go to the lower (even) code
-_MID_UP = np.array([0.75, 1.75, 3.5])  # ties go to the upper (even) code
-
-
-def _quant_rows(w_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """w_t float [O, I] (I % 32 == 0) -> blocks uint8 [O, I/32, 16], scales uint8 [O, I/32]."""
-    o, i = w_t.shape
-    x = w_t.astype(np.float64).reshape(o, i // 32, 32)
-    amax = np.max(np.abs(x), axis=-1)
-    with np.errstate(divide="ignore"):
-        e = np.ceil(np.log2(amax / 6.0))
-    e = np.where(amax > 0, e, -127.0)
-    # Guard against log2 rounding: make sure amax / 2**e <= 6.
-    e = np.where(amax / np.ldexp(1.0, e.astype(np.int64)) > 6.0, e + 1, e)
-    s = np.clip(e + 127, 0, 254).astype(np.int64)
-    y = np.abs(x) / np.ldexp(1.0, (s - 127))[..., None]
-    code = np.zeros(y.shape, np.uint8)
-    for m in _MID_DOWN:
-        code += (y > m)
-    for m in _MID_UP:
-        code += (y >= m)
-    code |= np.signbit(x).astype(np.uint8) << 3
-    code = code.reshape(o, i // 32, 16, 2)
-    blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
-    return blocks, s.astype(np.uint8)
-
-
-def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float [..., in, out] -> (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out, in/32]).
-
-    The inverse layout of :func:`dequantize_mxfp4`. Per 32-element block the scale exponent
-    is ceil(log2(amax / 6)) (clamped to [-127, 127]), values round to the nearest E2M1 value
-    (ties to even, saturating at +-6). Exact on values that are already MXFP4-representable.
-    """
-    w = np.asarray(w)
-    if w.ndim < 2 or w.shape[-2] % 32:
-        raise ValueError(f"quantize_mxfp4: expected [..., in, out] with in % 32 == 0, got {w.shape}")
-    *lead, i, o = w.shape
-    n = math.prod(lead)
-    w2 = w.reshape(n, i, o)
-    blocks = np.empty((n, o, i // 32, 16), np.uint8)
-    scales = np.empty((n, o, i // 32), np.uint8)
-    for k in range(n):
-        blocks[k], scales[k] = _quant_rows(w2[k].T)
-    return blocks.reshape(*lead, o, i // 32, 16), scales.reshape(*lead, o, i // 32)
-
-
-# --------------------------------------------------------------------------
-# Config mapping
-# --------------------------------------------------------------------------
-
-
-def _get(hf: Mapping[str, Any], *names: str, default: Any = KeyError) -> Any:
-    for n in names:
-        if n in hf and hf[n] is not None:
-            return hf[n]
-    if default is KeyError:
-        raise ValueError(f"HF config: required field {names[0]!r} is missing")
-    return default
-
-
-def _as_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-        raise ValueError(f"HF config: {name} must be an integer, got {v!r}")
-    return int(v)
-
-
-def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A transformers GPT-OSS ``config.json`` dict -> our model-config dict.
-
-    Accepts both the transformers-5 ``rope_parameters`` and the older ``rope_scaling`` +
-    ``rope_theta`` spellings. Raises ValueError naming the field for anything the model
-    does not implement.
-    """
-    hf = dict(hf_cfg)
-    mt = hf.get("model_type")
-    if mt is not None and mt != "gpt_oss":
-        raise ValueError(f"HF config: model_type is {mt!r}, expected 'gpt_oss'")
-    m: dict[str, Any] = {}
-    m["vocab_size"] = _as_int("vocab_size", _get(hf, "vocab_size"))
-    m["hidden_size"] = _as_int("hidden_size", _get(hf, "hidden_size"))
-    nl = _as_int("num_hidden_layers", _get(hf, "num_hidden_layers", "num_layers"))
-    if nl < 2 or nl % 2:
-        raise ValueError(f"HF config: num_hidden_layers must be even and >= 2 (layers come in "
-                         f"sliding/full pairs), got {nl}")
-    m["num_layers"] = nl
-    m["num_heads"] = _as_int("num_attention_heads", _get(hf, "num_attention_heads"))
-    m["num_kv_heads"] = _as_int("num_key_value_heads",
-                                _get(hf, "num_key_value_heads", default=m["num_heads"]))
-    if m["num_heads"] % m["num_kv_heads"]:
-        raise ValueError(f"HF config: num_attention_heads ({m['num_heads']}) must be a multiple "
-                         f"of num_key_value_heads ({m['num_kv_heads']})")
-    m["head_dim"] = _as_int("head_dim", _get(hf, "head_dim",
-                                             default=m["hidden_size"] // m["num_heads"]))
-    m["num_experts"] = _as_int("num_local_experts", _get(hf, "num_local_experts", "num_experts"))
-    m["experts_per_token"] = _as_int("num_experts_per_tok",
-                                     _get(hf, "num_experts_per_tok", "experts_per_token"))
-    if not 1 <= m["experts_per_token"] <= m["num_experts"]:
-        raise ValueError(f"HF config: num_experts_per_tok={m['experts_per_token']} must be in "
-                         f"[1, num_local_experts={m['num_experts']}]")
-    m["intermediate_size"] = _as_int("intermediate_size", _get(hf, "intermediate_size"))
-    sw = hf.get("sliding_window")
-    if sw is None or _as_int("sliding_window", sw) < 1:
-        raise ValueError(f"HF config: sliding_window must be a positive integer, got {sw!r}")
-    m["sliding_window"] = int(sw)
-
-    # Layer pattern: sliding, full, sliding, full, ...
-    lt = hf.get("layer_types")
-    if lt is not None:
-        want = [SLIDING, FULL] * (nl // 2)
-        if list(lt) != want:
-            raise ValueError(f"HF config: layer_types must alternate {SLIDING!r}, {FULL!r} starting "
-                             f"with {SLIDING!r} for {nl} layers, got {list(lt)}")
-
-    # RoPE (YaRN).
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling")
-    if rp is None:
-        raise ValueError("HF config: rope_parameters (or rope_scaling) is missing; GPT-OSS needs "
-                         "YaRN RoPE")
-    if not isinstance(rp, Mapping):
-        raise ValueError(f"HF config: rope_parameters must be a dict, got {rp!r}")
-    rtype = rp.get("rope_type", rp.get("type"))
-    if rtype != "yarn":
-        raise ValueError(f"HF config: rope_parameters.rope_type is {rtype!r}; only 'yarn' is supported")
-    for k in ("attention_factor", "mscale", "mscale_all_dim"):
-        if rp.get(k) is not None:
-            raise ValueError(f"HF config: rope_parameters.{k} is not supported (the model uses "
-                             "attention factor 0.1*ln(factor)+1)")
-    prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if prf is not None and float(prf) != 1.0:
-        raise ValueError(f"HF config: partial_rotary_factor={prf} is not supported")
-    theta = rp.get("rope_theta", hf.get("rope_theta"))
-    m["rope_theta"] = float(theta if theta is not None else 150000.0)
-    if "original_max_position_embeddings" not in rp:
-        raise ValueError("HF config: rope_parameters.original_max_position_embeddings is missing")
-    orig = _as_int("rope_parameters.original_max_position_embeddings",
-                   rp["original_max_position_embeddings"])
-    m["max_position_embeddings"] = _as_int(
-        "max_position_embeddings", _get(hf, "max_position_embeddings", default=131072))
-    factor = rp.get("factor")
-    # transformers: a missing factor means max_position_embeddings / original.
-    m["rope_scaling_factor"] = float(factor if factor is not None
-                                     else m["max_position_embeddings"] / orig)
-    m["rope_original_max_position"] = orig
-    # transformers treats missing / null / 0 beta as the paper defaults, and missing
-    # truncate as True.
-    m["rope_beta_fast"] = float(rp.get("beta_fast") or 32.0)
-    m["rope_beta_slow"] = float(rp.get("beta_slow") or 1.0)
-    tr = rp.get("truncate", True)
-    if not isinstance(tr, bool):
-        raise ValueError(f"HF config: rope_parameters.truncate must be a bool, got {tr!r}")
-    m["rope_truncate"] = tr
-
-    m["rms_norm_eps"] = float(_get(hf, "rms_norm_eps", default=1e-5))
-    m["swiglu_limit"] = float(_get(hf, "swiglu_limit", default=7.0))
-    alpha = hf.get("swiglu_alpha")
-    if alpha is not None and float(alpha) != SWIGLU_ALPHA:
-        raise ValueError(f"HF config: swiglu_alpha={alpha} is not supported (the model uses "
-                         f"{SWIGLU_ALPHA})")
-    if hf.get("tie_word_embeddings", False):
-        raise ValueError("HF config: tie_word_embeddings=true is not supported (GPT-OSS has a "
-                         "separate lm_head)")
-    if hf.get("attention_bias", True) is not True:
-        raise ValueError("HF config: attention_bias=false is not supported (the model has "
-                         "q/k/v/o biases)")
-    qc = hf.get("quantization_config")
-    if qc is not None:
-        qm = qc.get("quant_method") if isinstance(qc, Mapping) else None
-        if qm != "mxfp4":
-            raise ValueError(f"HF config: quantization_config.quant_method={qm!r} is not supported "
-                             "(only 'mxfp4')")
-    return {k: m[k] for k in MODEL_FIELDS}
-
-
-def _check_model_dict(m: Mapping[str, Any]) -> None:
-    missing = [k for k in MODEL_FIELDS if k not in m]
-    if missing:
-        raise ValueError(f"model config is missing fields {missing}")
-    if m["num_layers"] < 2 or m["num_layers"] % 2:
-        raise ValueError(f"model config: num_layers must be even and >= 2, got {m['num_layers']}")
-
-
-def model_dict_to_hf_config(m: Mapping[str, Any], *, dtype: str = "bfloat16") -> dict[str, Any]:
-    """Our model-config dict -> a transformers ``config.json`` dict (dense, no quantization).
-
-    The special-token ids (bos 199998, eos 200002, pad 199999) are written when they fall
-    inside the vocabulary, and null otherwise (transformers refuses a pad id outside it).
-    """
-    _check_model_dict(m)
-    nl = int(m["num_layers"])
-    v = int(m["vocab_size"])
-
-    def tok(i: int) -> int | None:
-        return i if i < v else None
-
-    rope = {
-        "rope_type": "yarn",
-        "factor": float(m["rope_scaling_factor"]),
-        "original_max_position_embeddings": int(m["rope_original_max_position"]),
-        "beta_fast": float(m["rope_beta_fast"]),
-        "beta_slow": float(m["rope_beta_slow"]),
-        "truncate": bool(m["rope_truncate"]),
-    }
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "vocab_size": v,
-        "hidden_size": int(m["hidden_size"]),
-        "intermediate_size": int(m["intermediate_size"]),
-        "num_hidden_layers": nl,
-        "num_attention_heads": int(m["num_heads"]),
-        "num_key_value_heads": int(m["num_kv_heads"]),
-        "head_dim": int(m["head_dim"]),
-        "num_local_experts": int(m["num_experts"]),
-        "num_experts_per_tok": int(m["experts_per_token"]),
-        "experts_per_token": int(m["experts_per_token"]),
-        "sliding_window": int(m["sliding_window"]),
-        "layer_types": [SLIDING, FULL] * (nl // 2),
-        "max_position_embeddings": int(m["max_position_embeddings"]),
-        "initial_context_length": int(m["rope_original_max_position"]),
-        "rms_norm_eps": float(m["rms_norm_eps"]),
-        # transformers 5 reads rope_parameters; older readers read rope_scaling + rope_theta.
-        "rope_parameters": {**rope, "rope_theta": float(m["rope_theta"])},
-        "rope_scaling": dict(rope),
-        "rope_theta": float(m["rope_theta"]),
-        "swiglu_limit": float(m["swiglu_limit"]),
-        "swiglu_alpha": SWIGLU_ALPHA,
-        "attention_bias": True,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "router_aux_loss_coef": 0.9,
-        "output_router_logits": False,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": tok(BOS_ID),
-        "eos_token_id": tok(EOS_ID),
-        "pad_token_id": tok(PAD_ID),
-        "dtype": dtype,
-        "torch_dtype": dtype,
-    }
-
-
-def _generation_config(m: Mapping[str, Any]) -> dict[str, Any]:
-    v = int(m["vocab_size"])
-    g: dict[str, Any] = {"do_sample": True}
-    if BOS_ID < v:
-        g["bos_token_id"] = BOS_ID
-    eos = [i for i in GENERATION_EOS_IDS if i < v]
-    if eos:
-        g["eos_token_id"] = eos
-    if PAD_ID < v:
-        g["pad_token_id"] = PAD_ID
-    return g
 
 
 # --------------------------------------------------------------------------
@@ -578,68 +229,6 @@ def _ours_to_hf(suffix: str, parts: list[np.ndarray], d: Mapping[str, int]) -> n
 
 
 # --------------------------------------------------------------------------
-# safetensors headers
-# --------------------------------------------------------------------------
-
-
-class _TensorInfo:
-    __slots__ = ("name", "file", "dtype", "shape", "begin", "end")
-
-    def __init__(self, name, file, dtype, shape, begin, end):
-        self.name, self.file, self.dtype, self.shape, self.begin, self.end = (
-            name, file, dtype, shape, begin, end)
-
-
-def _read_header(fpath: str) -> tuple[dict[str, _TensorInfo], int]:
-    """Parse and validate a safetensors header; returns (tensors, data start offset)."""
-    try:
-        size = os.path.getsize(fpath)
-    except OSError as e:
-        raise FileNotFoundError(f"safetensors file {fpath} cannot be read: {e}") from None
-    with open(fpath, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"safetensors file {fpath} is truncated or corrupt "
-                             f"({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise ValueError(f"safetensors file {fpath} is truncated or corrupt: header length "
-                             f"{n} runs past the end of the file ({size} bytes)")
-        raw = f.read(n)
-    try:
-        hdr = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"safetensors file {fpath} has a corrupt header ({e})") from None
-    if not isinstance(hdr, dict):
-        raise ValueError(f"safetensors file {fpath} has a corrupt header (not a JSON object)")
-    data_len = size - 8 - n
-    out: dict[str, _TensorInfo] = {}
-    max_end = 0
-    for name, info in hdr.items():
-        if name == "__metadata__":
-            continue
-        try:
-            st, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"safetensors file {fpath}: corrupt header entry for {name!r}") from None
-        if st not in _ST_DTYPES:
-            raise ValueError(f"safetensors file {fpath}: tensor {name!r} has unsupported dtype {st}")
-        nbytes = math.prod(shape) * _ST_DTYPES[st].itemsize
-        if not (0 <= b <= e) or e - b != nbytes:
-            raise ValueError(f"safetensors file {fpath}: tensor {name!r} has data_offsets {[b, e]} "
-                             f"inconsistent with {st} {list(shape)}")
-        if e > data_len:
-            raise ValueError(f"safetensors file {fpath} is truncated: tensor {name!r} ends at byte "
-                             f"{8 + n + e} but the file has {size} bytes")
-        max_end = max(max_end, e)
-        out[name] = _TensorInfo(name, fpath, st, shape, b, e)
-    if max_end != data_len:
-        raise ValueError(f"safetensors file {fpath} is corrupt: {data_len} data bytes but the "
-                         f"header describes {max_end}")
-    return out, 8 + n
-
-
-# --------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------
 
@@ -677,22 +266,22 @@ class HFCheckpoint:
         self._validate()
 
     # -- discovery / validation ------------------------------------------------
-    def _index_tensors(self) -> dict[str, _TensorInfo]:
+    def _index_tensors(self) -> dict[str, TensorInfo]:
         idx_path = os.path.join(self.path, INDEX_FILE)
         single = os.path.join(self.path, SINGLE_FILE)
-        tensors: dict[str, _TensorInfo] = {}
+        tensors: dict[str, TensorInfo] = {}
         if os.path.isfile(idx_path):
             try:
                 with open(idx_path) as f:
                     wmap = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{idx_path} is not a valid safetensors index ({e!r})") from None
-            headers: dict[str, dict[str, _TensorInfo]] = {}
+            headers: dict[str, dict[str, TensorInfo]] = {}
             for fname in sorted(set(wmap.values())):
                 fpath = os.path.join(self.path, fname)
                 if not os.path.isfile(fpath):
                     raise FileNotFoundError(f"{idx_path} lists {fname}, which does not exist")
-                headers[fname] = _read_header(fpath)[0]
+                headers[fname] = read_header(fpath)[0]
             for name, fname in wmap.items():
                 if name not in headers[fname]:
                     raise ValueError(f"{idx_path} says tensor {name!r} is in "
@@ -708,7 +297,7 @@ class HFCheckpoint:
                 raise FileNotFoundError(f"HF checkpoint {self.path} has no {SINGLE_FILE}, no "
                                         f"{INDEX_FILE} and no *.safetensors files")
         for fpath in files:
-            for name, info in _read_header(fpath)[0].items():
+            for name, info in read_header(fpath)[0].items():
                 if name in tensors:
                     raise ValueError(f"tensor {name!r} appears in both {tensors[name].file} and {fpath}")
                 tensors[name] = info
@@ -725,7 +314,7 @@ class HFCheckpoint:
         if t.shape != tuple(shape):
             raise ValueError(f"tensor {name!r} in {t.file} has shape {list(t.shape)}, expected "
                              f"{list(shape)} from config.json")
-        ok = t.dtype in _FLOAT_ST if kind == "float" else t.dtype == "U8"
+        ok = t.dtype in FLOAT_DTYPES if kind == "float" else t.dtype == "U8"
         if not ok:
             want = "a float dtype (F32/BF16/F16/F64)" if kind == "float" else "U8"
             raise ValueError(f"tensor {name!r} in {t.file} has dtype {t.dtype}, expected {want}")
@@ -825,8 +414,8 @@ class HFCheckpoint:
             return h.get_tensor(name)
         except TypeError:
             # A numpy without a registered bfloat16 name: read the raw bytes instead.
-            _, start = _read_header(t.file)
-            dt = _ST_DTYPES[t.dtype]
+            _, start = read_header(t.file)
+            dt = ST_DTYPES[t.dtype]
             return np.fromfile(t.file, dtype=dt, count=math.prod(t.shape),
                                offset=start + t.begin).reshape(t.shape)
 
@@ -872,33 +461,6 @@ def _check_out_dir(out_dir: str) -> None:
             raise FileExistsError(f"{out_dir} {what}; refusing to overwrite it")
 
 
-def _write_safetensors(fpath: str, entries: list[tuple[str, str, tuple[int, ...]]],
-                       produce: Callable[[str], np.ndarray]) -> None:
-    """Write a safetensors file tensor by tensor: the header is built from the declared
-    (name, dtype, shape) entries, then produce(name) is called once per tensor in order."""
-    header: dict[str, Any] = {}
-    off = 0
-    for name, st, shape in entries:
-        nb = math.prod(shape) * _ST_DTYPES[st].itemsize
-        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [off, off + nb]}
-        off += nb
-    header["__metadata__"] = {"format": "pt"}
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * ((-len(hb)) % 8)
-    with open(fpath, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for name, st, shape in entries:
-            a = produce(name)
-            dt = _ST_DTYPES[st]
-            if a.dtype != dt or a.shape != tuple(shape):
-                raise AssertionError(f"internal: {name} produced {a.dtype} {a.shape}, declared "
-                                     f"{dt} {shape}")
-            f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
             get_param: Callable[[str, slice | None], Any] | Mapping[str, Any],
             dtype: str = "bfloat16", max_shard_bytes: float = 5e9, *,
@@ -921,7 +483,7 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
         raise ValueError(f"save_hf: dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
     out_dir = os.path.abspath(os.fspath(out_dir))
     m = dict(model_config)
-    _check_model_dict(m)
+    check_model_dict(m)
     hf_cfg = model_dict_to_hf_config(m, dtype=dtype)
     hf_config_to_model_dict(hf_cfg)  # validates the model config through the reader
     st, np_dt = _SAVE_DTYPES[dtype]
@@ -1000,7 +562,7 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
     size = 0
     total = 0
     for k, (_, sdt, shape, _) in enumerate(plan):
-        nb = math.prod(shape) * _ST_DTYPES[sdt].itemsize
+        nb = math.prod(shape) * ST_DTYPES[sdt].itemsize
         total += nb
         if shards[-1] and size + nb > max_shard_bytes:
             shards.append([])
@@ -1018,8 +580,8 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
         weight_map: dict[str, str] = {}
         for fname, ks in zip(fnames, shards):
             producers = {plan[k][0]: plan[k][3] for k in ks}
-            _write_safetensors(os.path.join(tmp, fname), [plan[k][:3] for k in ks],
-                               lambda name, producers=producers: producers[name]())
+            write_safetensors(os.path.join(tmp, fname), [plan[k][:3] for k in ks],
+                              lambda name, producers=producers: producers[name]())
             for k in ks:
                 weight_map[plan[k][0]] = fname
         if nsh > 1:
@@ -1034,7 +596,7 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump(_generation_config(m), f, indent=2)
+            json.dump(generation_config(m), f, indent=2)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _check_out_dir(out_dir)
         try:

@@ -210,7 +210,8 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
     return ragged_experts(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
   mesh, rules = ctx
   spec = lambda *names: sharding.logical_to_spec(names, rules)
-  tok = spec("batch", None)
+  # Decode batches may not divide the batch shards: keep only the axes that divide.
+  tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)
   exp_spec = spec("exp", None, "mlp")
   exp_axes = _axes(exp_spec[0])
   mlp_axes = _axes(exp_spec[2])

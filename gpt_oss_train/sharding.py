@@ -155,10 +155,10 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return x
   mesh, rules = ctx
   spec = logical_to_spec(names, rules)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _fit(spec, x.shape, mesh)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, fit_spec(spec, x.shape, mesh)))
 
 
-def _fit(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
   """Drops mesh axes from dims they do not divide (e.g. batch 1 at decode time, or 8 KV
   heads on a 16-way tensor axis), keeping the largest prefix of axes that divides."""
   out = []
@@ -177,7 +177,7 @@ def _fit(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
 
 def named_sharding(mesh: Mesh, rules: Rules, names: Sequence[str | None],
                    shape: Sequence[int]) -> NamedSharding:
-  return NamedSharding(mesh, _fit(logical_to_spec(names, rules), shape, mesh))
+  return NamedSharding(mesh, fit_spec(logical_to_spec(names, rules), shape, mesh))
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:

@@ -1,6 +1,7 @@
-"""Tests of gpt_oss_train.data and tools/pretokenize.py: sources, packing, determinism,
-resume, process sharding, and the errors a user can cause. The expected token streams
-are computed here straight from the tokenizer, independently of the pipeline."""
+"""Tests of gpt_oss_train.data, gpt_oss_train.sources and tools/pretokenize.py: sources,
+packing, determinism, resume, process sharding, and the errors a user can cause. The
+expected token streams are computed here straight from the tokenizer, independently of
+the pipeline."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import grain
 import numpy as np
 import pytest
 
-from gpt_oss_train import data
+from gpt_oss_train import data, sources
 from gpt_oss_train.tokenizer import Tokenizer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -251,16 +252,16 @@ def test_global_batch_on_a_mesh():
 # Sources
 # ----------------------------------------------------------------------------------------
 def test_stdlib_is_python_code_with_disjoint_eval():
-  train, ev = data.make_source("stdlib"), data.make_source("stdlib", split="eval")
+  train, ev = sources.make_source("stdlib"), sources.make_source("stdlib", split="eval")
   assert len(ev) >= 10 and len(train) >= 40 * len(ev)
   assert not set(train.paths) & set(ev.paths)
-  assert sorted(train.paths + ev.paths) == data._stdlib_files()
+  assert sorted(train.paths + ev.paths) == sources._stdlib_files()
   assert not any("site-packages" in p for p in train.paths)
   b = next(_pipe("stdlib", global_batch_size=8))
   code = Tokenizer().decode(b["inputs"].ravel())
   assert len(re.findall(r"\b(def|import|class|return)\b", code)) >= 5
-  with pytest.raises(data.DataError, match="unknown split"):
-    data.make_source("stdlib", split="test")
+  with pytest.raises(sources.DataError, match="unknown split"):
+    sources.make_source("stdlib", split="test")
 
 
 def test_text_files_directory_glob_and_single_file(tmp_path, tok):
@@ -271,11 +272,11 @@ def test_text_files_directory_glob_and_single_file(tmp_path, tok):
     (tmp_path / name).write_text(text)
   (tmp_path / "d" / "image.bin").write_bytes(b"\0\1\2")  # unknown type: skipped in a dir
   (tmp_path / "d" / ".hidden.txt").write_text("hidden")
-  src = data.make_source(str(tmp_path / "d"))
+  src = sources.make_source(str(tmp_path / "d"))
   assert sorted(src[i] for i in range(len(src))) == sorted(files.values())
-  md = data.make_source(str(tmp_path / "d" / "**" / "*.md"))
+  md = sources.make_source(str(tmp_path / "d" / "**" / "*.md"))
   assert [md[i] for i in range(len(md))] == ["# markdown\nbody"]
-  one = data.make_source(str(tmp_path / "d" / "image.bin"))  # named alone: read as text
+  one = sources.make_source(str(tmp_path / "d" / "image.bin"))  # named alone: read as text
   assert len(one) == 1
   stream = _stream(_pipe(str(tmp_path / "d"), shuffle=False, num_epochs=1))
   want = [tok.encode(files[n]) + [EOS] for n in sorted(files) if files[n]]
@@ -290,12 +291,12 @@ def test_parquet_and_mixed_directory(tmp_path, tok):
                  tmp_path / "m" / "p.parquet")
   _write_jsonl(tmp_path / "m" / "j.jsonl", [{"text": "jsonl doc"}])
   (tmp_path / "m" / "t.txt").write_text("text doc")
-  src = data.make_source(str(tmp_path / "m"))
+  src = sources.make_source(str(tmp_path / "m"))
   assert sorted(src[i] for i in range(len(src))) == sorted(
       ["", "parquet one", "parquet two", "jsonl doc", "text doc"])
   pq.write_table(pa.table({"body": ["x"]}), tmp_path / "bad.parquet")
-  with pytest.raises(data.DataError, match=r"bad\.parquet.*no 'text' column"):
-    data.make_source(str(tmp_path / "bad.parquet"))
+  with pytest.raises(sources.DataError, match=r"bad\.parquet.*no 'text' column"):
+    sources.make_source(str(tmp_path / "bad.parquet"))
 
 
 def _pretokenize(*args):
@@ -312,7 +313,7 @@ def test_pretokenize_cli_roundtrip_and_refuses_to_overwrite(tmp_path, tok):
   out = tmp_path / "tok"
   run = _pretokenize(f"--source={src}", f"--output={out}", "--shard_size=7")
   assert run.returncode == 0, run.stderr
-  meta = json.loads((out / data.META_FILE).read_text())
+  meta = json.loads((out / sources.META_FILE).read_text())
   assert meta["tokenizer"] == "o200k_harmony" and meta["dtype"] == "int32"
   assert meta["documents"] == sum(1 for t in texts if t) and len(meta["files"]) == 4
   want = _stream(_pipe(str(src), shuffle=False, num_epochs=1))
@@ -353,7 +354,7 @@ def test_chat_jsonl_trains_only_assistant_tokens(tmp_path, tok):
   # Pre-tokenized chats keep their loss mask.
   out = tmp_path / "chat_tok"
   assert _pretokenize(f"--source={path}", f"--output={out}").returncode == 0
-  assert json.loads((out / data.META_FILE).read_text())["loss_mask"] is True
+  assert json.loads((out / sources.META_FILE).read_text())["loss_mask"] is True
   assert _stream(_pipe(str(out), shuffle=False, num_epochs=1)) == want
 
 
@@ -365,35 +366,36 @@ def test_tfds_unprepared_dataset_is_a_clear_error_without_download(tmp_path, mon
 
   monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
   monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", no_download)
-  with pytest.raises(data.DataError) as e:
-    data.make_source("tfds:lm1b")
+  with pytest.raises(sources.DataError) as e:
+    sources.make_source("tfds:lm1b")
   msg = str(e.value)
   assert "tfds:lm1b is not prepared" in msg and "tfds build lm1b" in msg and str(tmp_path) in msg
-  with pytest.raises(data.DataError, match="no_such_dataset_xyz"):
-    data.make_source("tfds:no_such_dataset_xyz:train:text")
+  with pytest.raises(sources.DataError, match="no_such_dataset_xyz"):
+    sources.make_source("tfds:no_such_dataset_xyz:train:text")
   assert not any(tmp_path.iterdir()), "nothing may be written into the data dir"
-  assert data._parse_tfds("lm1b:1.1.0:train[:10%]:text") == ("lm1b:1.1.0", "train[:10%]", "text")
+  assert sources._parse_tfds("lm1b:1.1.0:train[:10%]:text") == (
+      "lm1b:1.1.0", "train[:10%]", "text")
 
 
 # ----------------------------------------------------------------------------------------
 # Errors a user can cause
 # ----------------------------------------------------------------------------------------
 def test_missing_paths_and_empty_corpora(tmp_path):
-  with pytest.raises(data.DataError, match=re.escape(str(tmp_path / "nope.txt"))):
-    data.make_source(str(tmp_path / "nope.txt"))
-  with pytest.raises(data.DataError, match="matches no files"):
-    data.make_source(str(tmp_path / "*.jsonl"))
+  with pytest.raises(sources.DataError, match=re.escape(str(tmp_path / "nope.txt"))):
+    sources.make_source(str(tmp_path / "nope.txt"))
+  with pytest.raises(sources.DataError, match="matches no files"):
+    sources.make_source(str(tmp_path / "*.jsonl"))
   (tmp_path / "empty_dir").mkdir()
-  with pytest.raises(data.DataError, match="empty"):
-    data.make_source(str(tmp_path / "empty_dir"))
+  with pytest.raises(sources.DataError, match="empty"):
+    sources.make_source(str(tmp_path / "empty_dir"))
   (tmp_path / "blank").mkdir()
   (tmp_path / "blank" / "a.txt").write_text("")
   (tmp_path / "blank" / "b.txt").write_text("")
-  with pytest.raises(data.DataError, match=r"blank.*corpus is empty"):
-    data.make_source(str(tmp_path / "blank"))
+  with pytest.raises(sources.DataError, match=r"blank.*corpus is empty"):
+    sources.make_source(str(tmp_path / "blank"))
   _write_jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": ""}])
-  with pytest.raises(data.DataError, match="corpus is empty"):
-    data.make_source(str(tmp_path / "e.jsonl"))
+  with pytest.raises(sources.DataError, match="corpus is empty"):
+    sources.make_source(str(tmp_path / "e.jsonl"))
   with pytest.raises(data.DataError, match="corpus is empty"):
     data.make_pipeline(str(tmp_path / "e.jsonl"), seq_len=SEQ, global_batch_size=2, seed=0,
                        process_index=0, process_count=1)
@@ -402,14 +404,14 @@ def test_missing_paths_and_empty_corpora(tmp_path):
 def test_malformed_jsonl_names_file_and_line(tmp_path):
   path = tmp_path / "bad.jsonl"
   path.write_text('{"text": "ok"}\n\n{"text": "broken\n{"text": "ok"}\n')
-  with pytest.raises(data.DataError, match=re.escape(f"{path}:3: not valid JSON")):
-    data.make_source(str(path))
+  with pytest.raises(sources.DataError, match=re.escape(f"{path}:3: not valid JSON")):
+    sources.make_source(str(path))
   _write_jsonl(path, [{"text": "ok"}, {"body": "no text"}])
-  with pytest.raises(data.DataError, match=re.escape(f"{path}:2: expected")):
-    data.make_source(str(path))
+  with pytest.raises(sources.DataError, match=re.escape(f"{path}:2: expected")):
+    sources.make_source(str(path))
   _write_jsonl(path, [{"text": "plain"}])
-  with pytest.raises(data.DataError, match=re.escape(f"{path}:1")):
-    data.make_source(f"chat:{path}")
+  with pytest.raises(sources.DataError, match=re.escape(f"{path}:1")):
+    sources.make_source(f"chat:{path}")
 
 
 def test_chat_with_unknown_role_names_file_and_line(tmp_path):
@@ -417,9 +419,9 @@ def test_chat_with_unknown_role_names_file_and_line(tmp_path):
       {"messages": CHATS[0]},
       {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
   ])
-  with pytest.raises(data.DataError, match=re.escape(f"{path}:2: message 0 has unknown role "
-                                                     "'human'")):
-    data.make_source(str(path))
+  with pytest.raises(sources.DataError, match=re.escape(f"{path}:2: message 0 has unknown "
+                                                        "role 'human'")):
+    sources.make_source(str(path))
   # A chat that passes the structural check but not harmony's is still reported by line.
   _write_jsonl(path, [{"messages": [{"role": "user", "content": "hi"},
                                     {"role": "tool", "content": "x"},

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gpt_oss_train import decode  # noqa: E402
+from gpt_oss_train import chat, decode  # noqa: E402
 from gpt_oss_train.generate import Generator  # noqa: E402
 from gpt_oss_train.tokenizer import Tokenizer  # noqa: E402
 
@@ -275,7 +275,7 @@ def test_chat_keeps_history_and_resets(hf_model, monkeypatch):
   monkeypatch.setattr(Generator, "generate", spy)
   out = io.StringIO()
   opts = dataclasses.replace(OPTS, show_analysis=True)
-  rc = decode.run_chat(hf_model, opts, io.StringIO("hello\nagain\n/reset\nfresh\n"), out)
+  rc = chat.run_chat(hf_model, opts, io.StringIO("hello\nagain\n/reset\nfresh\n"), out)
   assert rc == 0 and out.getvalue().count("assistant> ") == 3
   assert "(conversation cleared)" in out.getvalue()
   first, second, third = prompts
@@ -291,9 +291,9 @@ def test_print_reply_streams_channels():
   reply = ([200005, *enc("analysis"), 200008, *enc("thinking"), 200007, 200006,
             *enc("assistant"), 200005, *enc("final"), 200008, *enc("Paris."), 200002])
   hidden, shown, dim = io.StringIO(), io.StringIO(), io.StringIO()
-  msgs = decode.print_reply(reply, hidden, show_analysis=False, tty=False)
-  decode.print_reply(reply, shown, show_analysis=True, tty=False)
-  decode.print_reply(reply, dim, show_analysis=True, tty=True)
+  msgs = chat.print_reply(reply, hidden, show_analysis=False, tty=False)
+  chat.print_reply(reply, shown, show_analysis=True, tty=False)
+  chat.print_reply(reply, dim, show_analysis=True, tty=True)
   assert [m["channel"] for m in msgs] == ["analysis", "final"]
   assert hidden.getvalue() == "Paris.\n"
   assert shown.getvalue() == "[analysis] thinking\nParis.\n"
@@ -313,3 +313,25 @@ def test_cli_benchmark_table_with_hf(hf_dir, tmp_path):
   assert all(float(v) > 0 for row in rows for v in row[3:])
   saved = json.loads(out.read_text())
   assert [s["batch"] for s in saved] == [1, 2] and all(s["decode_tok_s"] > 0 for s in saved)
+
+
+def test_chat_streams_tokens_while_generating(hf_model, monkeypatch):
+  """Tokens reach the printer from inside the compiled loop, before generate returns."""
+  events = []
+  original_generate, original_feed = Generator.generate, chat.ReplyStream.feed
+
+  def generate(self, *a, **kw):
+    out = original_generate(self, *a, **kw)
+    events.append("returned")
+    return out
+
+  def feed(self, token):
+    events.append("token")
+    return original_feed(self, token)
+
+  monkeypatch.setattr(Generator, "generate", generate)
+  monkeypatch.setattr(chat.ReplyStream, "feed", feed)
+  opts = dataclasses.replace(OPTS, max_new_tokens=6)
+  assert chat.run_chat(hf_model, opts, io.StringIO("hi\n"), io.StringIO()) == 0
+  assert events.count("token") >= 1 and events[-1] == "returned"
+  assert "returned" not in events[:-1]

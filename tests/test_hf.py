@@ -1,4 +1,5 @@
-"""Tests for gpt_oss_train.hf: HF safetensors <-> our tree, MXFP4, config mapping.
+"""Tests for gpt_oss_train.hf and hf_config: HF safetensors <-> our tree (MXFP4 folders
+included), config mapping. The MXFP4 codec itself is tested in test_mxfp4.py.
 
 The reference is transformers' own GptOssForCausalLM: tiny random models are written with
 save_pretrained and read back with from_pretrained.
@@ -19,16 +20,13 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
-from gpt_oss_train import hf  # noqa: E402
-from gpt_oss_train.hf import (  # noqa: E402
-    HFCheckpoint,
-    dequantize_mxfp4,
-    hf_config_to_model_dict,
-    load_params,
-    model_dict_to_hf_config,
-    quantize_mxfp4,
-    save_hf,
-)
+from test_mxfp4 import dequant_ref  # noqa: E402
+
+from gpt_oss_train import config as config_lib  # noqa: E402
+from gpt_oss_train import hf, hf_config  # noqa: E402
+from gpt_oss_train.hf import HFCheckpoint, load_params, save_hf  # noqa: E402
+from gpt_oss_train.hf_config import hf_config_to_model_dict, model_dict_to_hf_config  # noqa: E402
+from gpt_oss_train.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 # Tiny but asymmetric: N*H (96) != D (64), 2F (192) != D, F (96) != D; D and F divisible by 32.
 V, D, L, N, K, H, E, TOPK, F, W = 301, 64, 4, 4, 2, 24, 4, 2, 96, 8
@@ -274,7 +272,7 @@ def test_save_hf_config_and_generation_config(tree, tmp_path):
     assert c["pad_token_id"] is None
     big = model_dict_to_hf_config(dict(cfg, vocab_size=201088))
     assert (big["bos_token_id"], big["eos_token_id"], big["pad_token_id"]) == (199998, 200002, 199999)
-    g = hf._generation_config(dict(cfg, vocab_size=201088))
+    g = hf_config.generation_config(dict(cfg, vocab_size=201088))
     assert g["eos_token_id"] == [200002, 199999, 200012] and g["bos_token_id"] == 199998
     assert g["pad_token_id"] == 199999
 
@@ -327,115 +325,6 @@ def test_sharded_save_and_read(hf_model, tree, tmp_path):
 # ----------------------------------------------------------------------------
 # 4. MXFP4
 # ----------------------------------------------------------------------------
-
-
-def fp4_ref(code):
-    """E2M1 by its bit fields: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
-    sign = -1.0 if code & 0b1000 else 1.0
-    exp = (code >> 1) & 0b11
-    man = code & 0b1
-    mag = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2)
-    return sign * mag
-
-
-def dequant_ref(blocks, scales):
-    """float64 loops: [..., out, nblk, 16] / [..., out, nblk] -> [..., in, out]."""
-    *lead, o, g, _ = blocks.shape
-    b = blocks.reshape(-1, o, g, 16)
-    s = scales.reshape(-1, o, g)
-    out = np.zeros((b.shape[0], g * 32, o), np.float64)
-    for e in range(b.shape[0]):
-        for r in range(o):
-            for j in range(g):
-                for k in range(16):
-                    byte = int(b[e, r, j, k])
-                    scale = 2.0 ** (int(s[e, r, j]) - 127)
-                    out[e, j * 32 + 2 * k, r] = fp4_ref(byte & 0xF) * scale
-                    out[e, j * 32 + 2 * k + 1, r] = fp4_ref(byte >> 4) * scale
-    return out.reshape(*lead, g * 32, o)
-
-
-def test_fp4_lut_matches_bit_fields():
-    assert [fp4_ref(c) for c in range(16)] == hf.FP4_VALUES.tolist()
-    assert np.signbit(hf.FP4_VALUES[8]) and not np.signbit(hf.FP4_VALUES[0])
-
-
-def test_mxfp4_nibble_order_and_scale():
-    blocks = np.zeros((1, 1, 16), np.uint8)
-    blocks[0, 0, 0] = 0x21  # low nibble 1 (0.5) = element 0, high nibble 2 (1.0) = element 1
-    blocks[0, 0, 15] = 0xF7  # element 30 = 6.0, element 31 = -6.0
-    for s, mult in ((127, 1.0), (130, 8.0), (125, 0.25)):
-        out = dequantize_mxfp4(blocks, np.full((1, 1), s, np.uint8))
-        assert out.shape == (32, 1) and out.dtype == np.float32
-        assert out[:2, 0].tolist() == [0.5 * mult, 1.0 * mult]
-        assert out[30:, 0].tolist() == [6.0 * mult, -6.0 * mult]
-        assert not out[2:30].any()
-    # Smallest scale: 0.5 * 2**-127 = 2**-128 is a float32 subnormal, still exact.
-    out = dequantize_mxfp4(blocks, np.zeros((1, 1), np.uint8))
-    assert out[0, 0] == np.float32(2.0 ** -128) and out[0, 0] > 0
-
-
-def test_dequantize_matches_bitfield_reference():
-    rng = np.random.default_rng(0)
-    blocks = rng.integers(0, 256, size=(2, 3, 2, 16), dtype=np.uint8)
-    scales = rng.integers(110, 145, size=(2, 3, 2), dtype=np.uint8)
-    scales[0, 0, 0], scales[1, 2, 1] = 0, 1  # subnormal range
-    got = dequantize_mxfp4(blocks, scales)
-    assert got.shape == (2, 64, 3) and got.dtype == np.float32
-    np.testing.assert_array_equal(got.astype(np.float64), dequant_ref(blocks, scales))
-    # No leading axis.
-    np.testing.assert_array_equal(dequantize_mxfp4(blocks[1], scales[1]), got[1])
-    # More output rows than one internal chunk.
-    blocks = rng.integers(0, 256, size=(600, 1, 16), dtype=np.uint8)
-    scales = rng.integers(120, 135, size=(600, 1), dtype=np.uint8)
-    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales).astype(np.float64),
-                                  dequant_ref(blocks, scales))
-
-
-def test_quantize_mxfp4_exact_on_representable_and_nearest_otherwise():
-    rng = np.random.default_rng(1)
-    blocks = rng.integers(0, 256, size=(3, 64, 2, 16), dtype=np.uint8)
-    scales = rng.integers(100, 150, size=(3, 64, 2), dtype=np.uint8)
-    w = dequantize_mxfp4(blocks, scales)  # [3, 64, 64], representable
-    b2, s2 = quantize_mxfp4(w)
-    assert b2.shape == blocks.shape and s2.shape == scales.shape
-    back = dequantize_mxfp4(b2, s2)
-    assert back.tobytes() == w.tobytes()  # bit exact, including -0.0
-
-    x = rng.standard_normal((2, 64, 40)).astype(np.float32) * 3
-    x[0, :32, 0] = 0.0  # an all-zero block
-    b, s = quantize_mxfp4(x)
-    q = dequantize_mxfp4(b, s)
-    assert not q[0, :32, 0].any()
-    grid = np.array(sorted(set(np.abs(hf.FP4_VALUES).tolist())))
-    for e in range(2):
-        for o in range(40):
-            for j in range(2):
-                blk = x[e, 32 * j:32 * j + 32, o].astype(np.float64)
-                amax = np.abs(blk).max()
-                if amax == 0:
-                    continue
-                step = 2.0 ** (int(s[e, o, j]) - 127)
-                # Smallest scale that fits: 3 < amax/step <= 6.
-                assert 3 < amax / step <= 6
-                # Each value is the nearest grid point of |x|/step.
-                y = np.abs(blk) / step
-                nearest = grid[np.argmin(np.abs(y[:, None] - grid[None]), axis=1)]
-                np.testing.assert_array_equal(np.abs(q[e, 32 * j:32 * j + 32, o]) / step, nearest)
-                assert np.all((np.sign(q[e, 32 * j:32 * j + 32, o]) == np.sign(blk)) | (nearest == 0))
-
-
-def test_quantize_mxfp4_ties_round_to_even_code():
-    # amax 6 -> scale 127 (step 1); midpoints between neighbours go to the even code.
-    x = np.zeros((32, 1), np.float32)
-    x[:8, 0] = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
-    x[8:11, 0] = [-0.75, -5.0, -0.0]
-    b, s = quantize_mxfp4(x)
-    assert s.tolist() == [[127]]
-    q = dequantize_mxfp4(b, s)[:, 0]
-    assert q[:8].tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
-    assert q[8:10].tolist() == [-1.0, -4.0] and np.signbit(q[10])
-    assert b[0, 0, 0] == 0x07  # element 0 = 6.0 (code 7) in the low nibble, element 1 = +0
 
 
 def _write_mxfp4_checkpoint(src, dst, rng):
@@ -694,13 +583,16 @@ GPT_OSS_20B_MODEL = dict(
 def test_config_published_20b():
     m = hf_config_to_model_dict(GPT_OSS_20B_CONFIG)
     assert m == GPT_OSS_20B_MODEL
-    assert tuple(m) == hf.MODEL_FIELDS
+    assert tuple(m) == config_lib.ARCH_FIELDS
     assert isinstance(m["rope_theta"], float) and isinstance(m["num_layers"], int)
 
 
 def test_model_fields_match_project_config():
-    config = pytest.importorskip("gpt_oss_train.config")
-    assert tuple(config.ARCH_FIELDS) == hf.MODEL_FIELDS
+    # Every architecture field the project's configs carry survives config.json both ways.
+    arch = config_lib.model_arch(config_lib.default_config())
+    back = hf_config_to_model_dict(model_dict_to_hf_config(arch))
+    assert tuple(back) == tuple(config_lib.ARCH_FIELDS)
+    assert back == arch
 
 
 def test_config_round_trip_and_transformers_accepts_it(hf_model):

@@ -221,3 +221,48 @@ def test_cli_rejects_unknown_config_key(tmp_path):
   cmd, env = _cli(tmp_path, "--config.train.stepz=3")
   r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
   assert r.returncode != 0 and "stepz" in r.stderr
+
+
+def test_finetune_init_from_hf_then_from_orbax(tmp_path):
+  """init_from loads params only, and the architecture comes from the checkpoint (the
+  config's model section is ignored). With learning rate 0 the first run leaves the HF
+  weights unchanged; a second run initialised from the first run's Orbax checkpoint sees
+  the same params on the same first batch, so its first loss is the same number."""
+  transformers = pytest.importorskip("transformers")
+  import torch
+  from gpt_oss_train import hf
+  torch.manual_seed(0)
+  hc = transformers.GptOssConfig(
+      vocab_size=201088, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+      intermediate_size=32, sliding_window=8)
+  transformers.GptOssForCausalLM(hc).save_pretrained(tmp_path / "hf")
+  c = tiny_config(steps=1, learning_rate=0.0)
+  c.model.hidden_size = 48           # ignored: init_from decides the architecture
+  c.checkpoint.update(init_from=str(tmp_path / "hf"), every=1)
+  first = train_lib.train(c, str(tmp_path / "a"), devices=jax.devices()[:1])
+  arch, want = hf.load_params(tmp_path / "hf")
+  assert ckpt_lib.read_model_config(str(tmp_path / "a"))["hidden_size"] == 32
+  md = ModelDef(config_lib.ModelConfig.from_config(c, arch))
+  got, _, _ = ckpt_lib.load_params(str(tmp_path / "a"), md.abstract_params())
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  c2 = tiny_config(steps=2)
+  c2.checkpoint.init_from = str(tmp_path / "a")
+  second = train_lib.train(c2, str(tmp_path / "b"), devices=jax.devices()[:1])
+  assert second["losses"][1] == first["losses"][1]
+  assert second["losses"][2] != second["losses"][1]   # and it trains from there
+
+
+def test_sft_on_harmony_chat_data(tmp_path):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("sft", os.path.join(ROOT, "configs",
+                                                                    "sft_chat.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  c.train.update(steps=3, global_batch_size=2, seq_len=64, log_every=1)
+  c.checkpoint.update(every=0, async_save=False)
+  c.data.source = "chat:" + os.path.join(ROOT, "data", "sample_chat.jsonl")
+  losses = losses_of(train_lib.train(c, str(tmp_path), devices=jax.devices()[:1]))
+  assert len(losses) == 3 and np.isfinite(losses).all()

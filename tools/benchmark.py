@@ -112,14 +112,15 @@ def active_weight_bytes(mc, bytes_per_weight: float) -> float:
 
 
 def bench_decode(config):
+  """decode's benchmark (benchmarking.py) on random weights, plus the share of the
+  memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
   import jax
   import numpy as np
-  from gpt_oss_train import config as config_lib, quantize, sharding
-  from gpt_oss_train.generate import Generator, cache_length
+  from gpt_oss_train import benchmarking, config as config_lib, decode, quantize, sharding
   from gpt_oss_train.model import ModelDef
 
-  config_lib.validate(config)
-  mc = config_lib.ModelConfig.from_config(config).replace(remat_policy="none")
+  config = decode.runtime_config(config)
+  mc = config_lib.ModelConfig.from_config(config)
   md = ModelDef(mc)
   rules = sharding.validate_rules(config.logical_axis_rules)
   mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
@@ -129,42 +130,22 @@ def bench_decode(config):
     params = md.init(config.seed, mesh, rules)
     if _INT8.value:
       params = jax.jit(quantize.quantize_params)(params)
-    gen = Generator(md, params, prefill_chunk=min(512, _PROMPT_LEN.value))
-    rng = np.random.RandomState(0)
-    for bs in [int(x) for x in _BATCH_SIZES.value]:
-      prompts = [list(rng.randint(0, mc.vocab_size, _PROMPT_LEN.value)) for _ in range(bs)]
-      max_len = cache_length(_PROMPT_LEN.value + _NEW_TOKENS.value)
-
-      def prefill():
-        jax.block_until_ready(gen.prefill(prompts, max_len))
-
-      def run():
-        return gen.generate(prompts, max_new_tokens=_NEW_TOKENS.value, stop_ids=[],
-                            max_len=max_len)
-
-      prefill(), run()  # compile
-      t0 = time.perf_counter()
-      prefill()
-      prefill_s = time.perf_counter() - t0
-      t0 = time.perf_counter()
-      run()
-      total = time.perf_counter() - t0
-      decode_s = max(total - prefill_s, 1e-9)
-      per_step = decode_s / _NEW_TOKENS.value
-      wbytes = 1 if _INT8.value else np.dtype(mc.param_dtype).itemsize
-      record = {"mode": "decode", "device": kind, "devices": jax.device_count(),
-                "layers": mc.num_layers, "experts": mc.num_experts, "batch": bs,
-                "prompt_len": _PROMPT_LEN.value, "new_tokens": _NEW_TOKENS.value,
-                "int8_weights": _INT8.value, "param_dtype": mc.param_dtype,
-                "prefill_s": round(prefill_s, 4),
-                "prefill_tok_s": round(bs * _PROMPT_LEN.value / prefill_s, 1),
-                "decode_tok_s": round(bs * _NEW_TOKENS.value / decode_s, 1),
-                "ms_per_step": round(per_step * 1e3, 3)}
-      if bw:
-        # A lower bound of what a step must read: the active weights of one token.
-        record["active_weight_bw_share"] = round(
-            active_weight_bytes(mc, wbytes) / per_step / (bw * jax.device_count()), 3)
-      _emit(record)
+  model = decode.LoadedModel(md, params, mesh, rules, "random", "", config.train.loss_chunk_size)
+  opts = decode.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
+  rows = benchmarking.benchmark(model, batch_sizes=[int(b) for b in _BATCH_SIZES.value],
+                                prompt_lengths=[_PROMPT_LEN.value],
+                                max_new_tokens=_NEW_TOKENS.value, repeats=3, opts=opts)
+  wbytes = 1 if _INT8.value else np.dtype(mc.param_dtype).itemsize
+  for row in rows:
+    step_s = row["batch"] * 1.0 / row["decode_tok_s"]
+    record = {"mode": "decode", "device": kind, "devices": jax.device_count(),
+              "layers": mc.num_layers, "experts": mc.num_experts,
+              "param_dtype": mc.param_dtype, "int8_weights": _INT8.value, **row,
+              "ms_per_step": step_s * 1e3}
+    if bw:
+      record["active_weight_bw_share"] = active_weight_bytes(mc, wbytes) / step_s / (
+          bw * jax.device_count())
+    _emit(record)
 
 
 def main(argv):

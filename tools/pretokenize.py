@@ -3,7 +3,7 @@
   python tools/pretokenize.py --source=stdlib --output=/data/stdlib_tok [--split=train]
       [--shard_size=10000]
 
---source takes any spec `gpt_oss_train.data.make_source` does. Each record is one
+--source takes any spec `gpt_oss_train.sources.make_source` does. Each record is one
 document: its int32 ids (plain text ends with eos), followed by its int32 loss mask when
 the corpus holds chats. `pretokenized.json` (tokenizer, dtype, counts, files) is written
 last, so a directory without it is an interrupted run. Train on the result with
@@ -25,7 +25,7 @@ from absl import app, flags, logging
 # Runnable as `python tools/pretokenize.py` from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpt_oss_train import data  # noqa: E402
+from gpt_oss_train import data, sources  # noqa: E402
 from gpt_oss_train.tokenizer import VOCAB_SIZE, Tokenizer  # noqa: E402
 
 _SOURCE = flags.DEFINE_string("source", None, "Corpus spec: stdlib, tfds:NAME, a path or glob.")
@@ -40,11 +40,11 @@ def pretokenize(source_spec: str, output: str, *, split: str = "train",
   from array_record.python.array_record_module import ArrayRecordWriter
 
   if shard_size <= 0:
-    raise data.DataError(f"--shard_size must be positive, got {shard_size}")
+    raise sources.DataError(f"--shard_size must be positive, got {shard_size}")
   if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-    raise data.DataError(f"{output} already exists and is not an empty directory; "
-                         "choose a new --output (this tool never overwrites files)")
-  source = data.make_source(source_spec, split=split)  # bad specs fail before any write
+    raise sources.DataError(f"{output} already exists and is not an empty directory; "
+                            "choose a new --output (this tool never overwrites files)")
+  source = sources.make_source(source_spec, split=split)  # bad specs fail before any write
   os.makedirs(output, exist_ok=True)
 
   files, writer = [], None
@@ -62,7 +62,7 @@ def pretokenize(source_spec: str, output: str, *, split: str = "train",
       # group_size:1 makes every record its own chunk: fast random access for grain.
       writer = ArrayRecordWriter(os.path.join(output, files[-1]), "group_size:1")
     record = np.concatenate([ids, mask] if source.has_chat else [ids])
-    writer.write(record.astype("<i4").tobytes())  # little-endian, as data.TokenRecords reads
+    writer.write(record.astype("<i4").tobytes())  # little-endian, as sources.TokenRecords reads
     documents += 1
     in_shard += 1
     tokens += len(ids)
@@ -72,20 +72,20 @@ def pretokenize(source_spec: str, output: str, *, split: str = "train",
   if writer is not None:
     writer.close()
   if not documents:
-    raise data.DataError(f"{source_spec}: no document has any text")
+    raise sources.DataError(f"{source_spec}: no document has any text")
 
   tok = Tokenizer()
   meta = {
-      "format": data.META_FORMAT, "tokenizer": data.TOKENIZER_NAME, "vocab_size": VOCAB_SIZE,
+      "format": sources.META_FORMAT, "tokenizer": sources.TOKENIZER_NAME, "vocab_size": VOCAB_SIZE,
       "eos_id": tok.eos_id, "dtype": "int32", "loss_mask": bool(source.has_chat),
       "documents": documents, "tokens": tokens, "files": files,
       "source": source_spec, "split": split,
-      "replaced_bytes": sum(data.replaced_bytes(source).values()),
+      "replaced_bytes": sum(sources.replaced_bytes(source).values()),
   }
-  tmp = os.path.join(output, data.META_FILE + ".tmp")
+  tmp = os.path.join(output, sources.META_FILE + ".tmp")
   with open(tmp, "w") as f:
     json.dump(meta, f, indent=2)
-  os.replace(tmp, os.path.join(output, data.META_FILE))  # atomic: present means complete
+  os.replace(tmp, os.path.join(output, sources.META_FILE))  # atomic: present means complete
   return meta
 
 
@@ -97,7 +97,7 @@ def main(argv):
   try:
     meta = pretokenize(_SOURCE.value, _OUTPUT.value, split=_SPLIT.value,
                        shard_size=_SHARD_SIZE.value)
-  except data.DataError as e:
+  except sources.DataError as e:
     sys.exit(f"error: {e}")
   print(f"wrote {meta['documents']} documents, {meta['tokens']} tokens in "
         f"{len(meta['files'])} files to {_OUTPUT.value}")

@@ -177,6 +177,16 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
+def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """The config a `configs/*.py` file's get_config() returns, as `--config=path[:arg]`
+  would give it (for tests, notebooks and tools that are not absl apps)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("gpt_oss_train_config_file", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config() if arg is None else module.get_config(arg)
+
+
 def model_arch(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The architecture part of a config, as a plain dict (what checkpoints store)."""
   return {k: config.model[k] for k in ARCH_FIELDS}

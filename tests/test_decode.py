@@ -8,7 +8,6 @@ the command line itself is under test; everything else runs in-process.
 """
 
 import dataclasses
-import importlib.util
 import io
 import json
 import math
@@ -62,12 +61,8 @@ def hf_model(hf_dir):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   """A run of configs/cpu_tiny.py, shortened to 3 steps."""
-  from gpt_oss_train import train
-  spec = importlib.util.spec_from_file_location("cpu_tiny", os.path.join(ROOT, "configs",
-                                                                         "cpu_tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  from gpt_oss_train import config as config_lib, train
+  config = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
   config.train.update(steps=3, global_batch_size=8, seq_len=32, eval_every=0, log_every=1)
   config.checkpoint.update(every=0)
   path = str(tmp_path_factory.mktemp("run"))

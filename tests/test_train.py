@@ -255,12 +255,7 @@ def test_finetune_init_from_hf_then_from_orbax(tmp_path):
 
 
 def test_sft_on_harmony_chat_data(tmp_path):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("sft", os.path.join(ROOT, "configs",
-                                                                    "sft_chat.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config()
+  c = config_lib.from_file(os.path.join(ROOT, "configs", "sft_chat.py"))
   c.train.update(steps=3, global_batch_size=2, seq_len=64, log_every=1)
   c.checkpoint.update(every=0, async_save=False)
   c.data.source = "chat:" + os.path.join(ROOT, "data", "sample_chat.jsonl")

@@ -5,15 +5,32 @@ from gpt_oss_train.config import default_config
 
 
 def get_config():
-  c = default_config()
-  c.model.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 num_experts=4, experts_per_token=2, intermediate_size=64, sliding_window=32)
-  c.dtype = "float32"           # CPUs have no fast bfloat16 matmul
-  c.remat_policy = "none"       # memory is plentiful at this size; skip the recompute
-  c.moe_impl = "ragged"
-  # 512 tokens a step: the 201,088-way softmax dominates the cost at this width.
-  c.train.update(steps=50, global_batch_size=8, seq_len=64, learning_rate=3e-3,
-                 warmup_steps=5, log_every=10, loss_chunk_size=32, eval_every=25,
-                 eval_batches=2)
-  c.checkpoint.update(every=25, keep=2)
-  return c
+    c = default_config()
+    c.model.update(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=4,
+        experts_per_token=2,
+        intermediate_size=64,
+        sliding_window=32,
+    )
+    c.dtype = "float32"  # CPUs have no fast bfloat16 matmul
+    c.remat_policy = "none"  # memory is plentiful at this size; skip the recompute
+    c.moe_impl = "ragged"
+    # 512 tokens a step: the 201,088-way softmax dominates the cost at this width.
+    c.train.update(
+        steps=50,
+        global_batch_size=8,
+        seq_len=64,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        log_every=10,
+        loss_chunk_size=32,
+        eval_every=25,
+        eval_batches=2,
+    )
+    c.checkpoint.update(every=25, keep=2)
+    return c

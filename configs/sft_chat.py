@@ -13,14 +13,32 @@ from gpt_oss_train.config import default_config
 
 
 def get_config():
-  c = default_config()
-  c.model.update(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 num_experts=4, experts_per_token=2, intermediate_size=64, sliding_window=32)
-  c.dtype = "float32"
-  c.remat_policy = "none"
-  c.train.update(steps=20, global_batch_size=4, seq_len=256, learning_rate=1e-4,
-                 warmup_steps=2, end_lr_ratio=0.0, weight_decay=0.0, log_every=5,
-                 loss_chunk_size=256, aux_loss_coef=0.0)
-  c.checkpoint.update(every=10, keep=2)
-  c.data.update(source="chat:data/sample_chat.jsonl")
-  return c
+    c = default_config()
+    c.model.update(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=4,
+        experts_per_token=2,
+        intermediate_size=64,
+        sliding_window=32,
+    )
+    c.dtype = "float32"
+    c.remat_policy = "none"
+    c.train.update(
+        steps=20,
+        global_batch_size=4,
+        seq_len=256,
+        learning_rate=1e-4,
+        warmup_steps=2,
+        end_lr_ratio=0.0,
+        weight_decay=0.0,
+        log_every=5,
+        loss_chunk_size=256,
+        aux_loss_coef=0.0,
+    )
+    c.checkpoint.update(every=10, keep=2)
+    c.data.update(source="chat:data/sample_chat.jsonl")
+    return c

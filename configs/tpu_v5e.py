@@ -13,17 +13,25 @@ from gpt_oss_train.config import PRESETS, default_config
 
 
 def get_config(model: str = "gpt-oss-20b"):
-  c = default_config()
-  c.model.update(PRESETS[model])
-  c.dtype = "bfloat16"
-  c.param_dtype = "float32"
-  c.scan_layers = True
-  c.remat_policy = "full"
-  c.attention_impl = "splash"
-  c.moe_impl = "sharded"
-  c.mesh.update(data=1, fsdp=-1, tensor=1, expert=8)
-  c.train.update(steps=10000, global_batch_size=256, seq_len=4096, learning_rate=3e-4,
-                 warmup_steps=500, log_every=10, loss_chunk_size=512, eval_every=1000)
-  c.checkpoint.update(every=500, keep=3)
-  c.data.update(source="tfds:c4/en:3.1.0:train", num_workers=4)
-  return c
+    c = default_config()
+    c.model.update(PRESETS[model])
+    c.dtype = "bfloat16"
+    c.param_dtype = "float32"
+    c.scan_layers = True
+    c.remat_policy = "full"
+    c.attention_impl = "splash"
+    c.moe_impl = "sharded"
+    c.mesh.update(data=1, fsdp=-1, tensor=1, expert=8)
+    c.train.update(
+        steps=10000,
+        global_batch_size=256,
+        seq_len=4096,
+        learning_rate=3e-4,
+        warmup_steps=500,
+        log_every=10,
+        loss_chunk_size=512,
+        eval_every=1000,
+    )
+    c.checkpoint.update(every=500, keep=3)
+    c.data.update(source="tfds:c4/en:3.1.0:train", num_workers=4)
+    return c

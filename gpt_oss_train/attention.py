@@ -24,7 +24,6 @@ Back-ends:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -34,126 +33,144 @@ _NEG = -1e30  # finite "minus infinity": keeps max/exp/grad free of inf - inf
 
 
 def visibility_mask(q_pos, k_pos, q_seg=None, k_seg=None, window: int | None = None):
-  """[b, s, t] bool: which keys each query may attend to (see module docstring)."""
-  qp = q_pos[:, :, None]
-  kp = k_pos[:, None, :]
-  mask = (kp >= 0) & (kp <= qp)
-  if window is not None:
-    mask &= (qp - kp) < window
-  if q_seg is not None:
-    mask &= q_seg[:, :, None] == k_seg[:, None, :]
-  return mask
+    """[b, s, t] bool: which keys each query may attend to (see module docstring)."""
+    qp = q_pos[:, :, None]
+    kp = k_pos[:, None, :]
+    mask = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        mask &= (qp - kp) < window
+    if q_seg is not None:
+        mask &= q_seg[:, :, None] == k_seg[:, None, :]
+    return mask
 
 
 def xla_attention(q, k, v, sinks, mask):
-  """q [b,s,n,h], k/v [b,t,k,h], sinks [n], mask [b,s,t] -> [b,s,n,h] in q.dtype."""
-  b, s, n, h = q.shape
-  kh = k.shape[2]
-  g = n // kh
-  qg = q.reshape(b, s, kh, g, h)
-  logits = jnp.einsum("bskgh,btkh->bkgst", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * (1.0 / math.sqrt(h))
-  logits = jnp.where(mask[:, None, None], logits, _NEG)
-  sink = sinks.astype(jnp.float32).reshape(1, kh, g, 1, 1)
-  # The sink is finite, so the row max is finite even when every key is masked: such a
-  # row (a padding query) gets weights 0 and output 0, not NaN.
-  m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
-  p = jnp.exp(logits - m)
-  denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
-  p = p / denom
-  out = jnp.einsum("bkgst,btkh->bskgh", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(b, s, n, h).astype(q.dtype)
+    """q [b,s,n,h], k/v [b,t,k,h], sinks [n], mask [b,s,t] -> [b,s,n,h] in q.dtype."""
+    b, s, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    qg = q.reshape(b, s, kh, g, h)
+    logits = jnp.einsum("bskgh,btkh->bkgst", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * (1.0 / math.sqrt(h))
+    logits = jnp.where(mask[:, None, None], logits, _NEG)
+    sink = sinks.astype(jnp.float32).reshape(1, kh, g, 1, 1)
+    # The sink is finite, so the row max is finite even when every key is masked: such a
+    # row (a padding query) gets weights 0 and output 0, not NaN.
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink - m)
+    p = p / denom
+    out = jnp.einsum("bkgst,btkh->bskgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, s, n, h).astype(q.dtype)
 
 
 def blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block):
-  """Self-attention in query blocks. Requires q and k to be the same sequence (s == t),
-  with positions consecutive within a segment, so a banded query at index i can only see
-  keys at indices (i - window, i]."""
-  b, s, n, h = q.shape
-  if s <= block:
-    return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
-  pad = (-s) % block
-  if pad:  # padded queries/keys get position -1: invisible, and their outputs are dropped
-    padq = lambda a, val: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2),
-                                  constant_values=val)
-    q, k, v = padq(q, 0), padq(k, 0), padq(v, 0)
-    q_pos, k_pos = padq(q_pos, -1), padq(k_pos, -1)
-    q_seg, k_seg = padq(q_seg, 0), padq(k_seg, 0)
-  nblocks = q.shape[1] // block
-  if window is not None and window < q.shape[1]:
-    # Keys for block i: indices [i*block - lead, (i+1)*block), lead = window-1 rounded up.
-    lead = -(-(window - 1) // 8) * 8
-    padk = lambda a, val: jnp.pad(a, [(0, 0), (lead, 0)] + [(0, 0)] * (a.ndim - 2),
-                                  constant_values=val)
-    kk, vv, kp, ks = padk(k, 0), padk(v, 0), padk(k_pos, -1), padk(k_seg, 0)
-    span = lead + block
+    """Self-attention in query blocks. Requires q and k to be the same sequence (s == t),
+    with positions consecutive within a segment, so a banded query at index i can only see
+    keys at indices (i - window, i]."""
+    b, s, n, h = q.shape
+    if s <= block:
+        return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
+    pad = (-s) % block
+    if pad:  # padded queries/keys get position -1: invisible, and their outputs are dropped
+        padq = lambda a, val: jnp.pad(
+            a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=val
+        )
+        q, k, v = padq(q, 0), padq(k, 0), padq(v, 0)
+        q_pos, k_pos = padq(q_pos, -1), padq(k_pos, -1)
+        q_seg, k_seg = padq(q_seg, 0), padq(k_seg, 0)
+    nblocks = q.shape[1] // block
+    if window is not None and window < q.shape[1]:
+        # Keys for block i: indices [i*block - lead, (i+1)*block), lead = window-1 rounded up.
+        lead = -(-(window - 1) // 8) * 8
+        padk = lambda a, val: jnp.pad(
+            a, [(0, 0), (lead, 0)] + [(0, 0)] * (a.ndim - 2), constant_values=val
+        )
+        kk, vv, kp, ks = padk(k, 0), padk(v, 0), padk(k_pos, -1), padk(k_seg, 0)
+        span = lead + block
 
-    def one_block(i):
-      start = i * block
-      sl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, block, axis=1)
-      kl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, span, axis=1)
-      mask = visibility_mask(sl(q_pos), kl(kp), sl(q_seg), kl(ks), window)
-      return xla_attention(sl(q), kl(kk), kl(vv), sinks, mask)
-  else:
-    def one_block(i):
-      sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
-      mask = visibility_mask(sl(q_pos), k_pos, sl(q_seg), k_seg, window)
-      return xla_attention(sl(q), k, v, sinks, mask)
+        def one_block(i):
+            start = i * block
+            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, block, axis=1)
+            kl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, span, axis=1)
+            mask = visibility_mask(sl(q_pos), kl(kp), sl(q_seg), kl(ks), window)
+            return xla_attention(sl(q), kl(kk), kl(vv), sinks, mask)
+    else:
 
-  # Checkpoint each block so the backward pass keeps no [block, keys] probabilities.
-  outs = jax.lax.map(jax.checkpoint(one_block), jnp.arange(nblocks))  # [nb, b, blk, n, h]
-  out = jnp.moveaxis(outs, 0, 1).reshape(b, nblocks * block, n, h)
-  return out[:, :s]
+        def one_block(i):
+            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
+            mask = visibility_mask(sl(q_pos), k_pos, sl(q_seg), k_seg, window)
+            return xla_attention(sl(q), k, v, sinks, mask)
+
+    # Checkpoint each block so the backward pass keeps no [block, keys] probabilities.
+    outs = jax.lax.map(jax.checkpoint(one_block), jnp.arange(nblocks))  # [nb, b, blk, n, h]
+    out = jnp.moveaxis(outs, 0, 1).reshape(b, nblocks * block, n, h)
+    return out[:, :s]
 
 
 def splash_attention(q, k, v, sinks, q_seg, window):
-  """TPU splash attention (Pallas) with the sink folded in from the log-sum-exp.
+    """TPU splash attention (Pallas) with the sink folded in from the log-sum-exp.
 
-  Causal by index within the sequence plus segment ids: valid for training and prefill
-  of whole sequences, where positions equal indices within each segment.
-  """
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_kernel as sk, splash_attention_mask as sm)
-  b, s, n, h = q.shape
-  kh = k.shape[2]
-  mask = sm.CausalMask((s, s))
-  if window is not None:
-    mask = sm.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
-  multi = sm.MultiHeadMask([mask] * n)
-  kernel = sk.make_splash_mha(multi, head_shards=1, q_seq_shards=1, save_residuals=True)
-  scale = 1.0 / math.sqrt(h)
+    Causal by index within the sequence plus segment ids: valid for training and prefill
+    of whole sequences, where positions equal indices within each segment.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as sk,
+        splash_attention_mask as sm,
+    )
 
-  def one(qb, kb, vb, segb):
-    # [n, s, h] per batch element; GQA: repeat kv heads to query heads.
-    kb = jnp.repeat(kb, n // kh, axis=0)
-    vb = jnp.repeat(vb, n // kh, axis=0)
-    ids = sk.SegmentIds(q=segb, kv=segb)
-    out, (lse,) = kernel(qb * scale, kb, vb, segment_ids=ids)
-    return out, lse
+    b, s, n, h = q.shape
+    kh = k.shape[2]
+    mask = sm.CausalMask((s, s))
+    if window is not None:
+        mask = sm.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
+    multi = sm.MultiHeadMask([mask] * n)
+    kernel = sk.make_splash_mha(multi, head_shards=1, q_seq_shards=1, save_residuals=True)
+    scale = 1.0 / math.sqrt(h)
 
-  out, lse = jax.vmap(one)(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
-                           v.transpose(0, 2, 1, 3), q_seg)
-  # out already normalised by sum_j e^{s_j} = e^{lse}; with the sink the denominator is
-  # e^{lse} + e^{sink}, so rescale by e^{lse} / (e^{lse} + e^{sink}) = sigmoid(lse - sink).
-  corr = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32)[None, :, None])
-  out = out.astype(jnp.float32) * corr[..., None]
-  return out.transpose(0, 2, 1, 3).astype(q.dtype)
+    def one(qb, kb, vb, segb):
+        # [n, s, h] per batch element; GQA: repeat kv heads to query heads.
+        kb = jnp.repeat(kb, n // kh, axis=0)
+        vb = jnp.repeat(vb, n // kh, axis=0)
+        ids = sk.SegmentIds(q=segb, kv=segb)
+        out, (lse,) = kernel(qb * scale, kb, vb, segment_ids=ids)
+        return out, lse
+
+    out, lse = jax.vmap(one)(
+        q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_seg
+    )
+    # out already normalised by sum_j e^{s_j} = e^{lse}; with the sink the denominator is
+    # e^{lse} + e^{sink}, so rescale by e^{lse} / (e^{lse} + e^{sink}) = sigmoid(lse - sink).
+    corr = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32)[None, :, None])
+    out = out.astype(jnp.float32) * corr[..., None]
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
-def attention(q, k, v, sinks, *, q_pos, k_pos, q_seg=None, k_seg=None,
-              window: int | None = None, impl: str = "xla", block: int = 512,
-              self_attention: bool = False):
-  """Dispatch to a back-end. `self_attention`: q and k are the same full sequence
-  (training or a prefill with no earlier cache), which the block-sparse back-ends need."""
-  if impl == "xla" or not self_attention:
-    return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
-  if q_seg is None:
-    q_seg = k_seg = (q_pos >= 0).astype(jnp.int32)
-  if impl == "blockwise":
-    return blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block)
-  if impl == "splash":
-    if jax.devices()[0].platform != "tpu":
-      raise ValueError("config.attention_impl='splash' needs a TPU; use 'blockwise' or 'xla'")
-    return splash_attention(q, k, v, sinks, q_seg, window)
-  raise ValueError(f"unknown attention_impl {impl!r}")
+def attention(
+    q,
+    k,
+    v,
+    sinks,
+    *,
+    q_pos,
+    k_pos,
+    q_seg=None,
+    k_seg=None,
+    window: int | None = None,
+    impl: str = "xla",
+    block: int = 512,
+    self_attention: bool = False,
+):
+    """Dispatch to a back-end. `self_attention`: q and k are the same full sequence
+    (training or a prefill with no earlier cache), which the block-sparse back-ends need."""
+    if impl == "xla" or not self_attention:
+        return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
+    if q_seg is None:
+        q_seg = k_seg = (q_pos >= 0).astype(jnp.int32)
+    if impl == "blockwise":
+        return blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block)
+    if impl == "splash":
+        if jax.devices()[0].platform != "tpu":
+            raise ValueError("config.attention_impl='splash' needs a TPU; use 'blockwise' or 'xla'")
+        return splash_attention(q, k, v, sinks, q_seg, window)
+    raise ValueError(f"unknown attention_impl {impl!r}")

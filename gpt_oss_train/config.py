@@ -46,30 +46,30 @@ ARCH_FIELDS = (
 
 
 def _arch(**overrides) -> dict[str, Any]:
-  """gpt-oss-20b's architecture, with overrides (the published config.json values)."""
-  arch = dict(
-      vocab_size=201088,
-      hidden_size=2880,
-      num_layers=24,
-      num_heads=64,
-      num_kv_heads=8,
-      head_dim=64,
-      num_experts=32,
-      experts_per_token=4,
-      intermediate_size=2880,
-      sliding_window=128,
-      rope_theta=150000.0,
-      rope_scaling_factor=32.0,
-      rope_original_max_position=4096,
-      rope_beta_fast=32.0,
-      rope_beta_slow=1.0,
-      rope_truncate=False,
-      max_position_embeddings=131072,
-      rms_norm_eps=1e-5,
-      swiglu_limit=7.0,
-  )
-  arch.update(overrides)
-  return arch
+    """gpt-oss-20b's architecture, with overrides (the published config.json values)."""
+    arch = dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        num_layers=24,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        num_experts=32,
+        experts_per_token=4,
+        intermediate_size=2880,
+        sliding_window=128,
+        rope_theta=150000.0,
+        rope_scaling_factor=32.0,
+        rope_original_max_position=4096,
+        rope_beta_fast=32.0,
+        rope_beta_slow=1.0,
+        rope_truncate=False,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        swiglu_limit=7.0,
+    )
+    arch.update(overrides)
+    return arch
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -77,12 +77,28 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-120b": _arch(num_layers=36, num_experts=128),
     # Small shapes of the same architecture: the real vocabulary (so the real tokenizer
     # works), everything else shrunk. `tiny` is for unit tests, `small` for CPU runs.
-    "tiny": _arch(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                  num_experts=4, experts_per_token=2, intermediate_size=64,
-                  sliding_window=8),
-    "small": _arch(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
-                   num_experts=8, experts_per_token=2, intermediate_size=256,
-                   sliding_window=64),
+    "tiny": _arch(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=4,
+        experts_per_token=2,
+        intermediate_size=64,
+        sliding_window=8,
+    ),
+    "small": _arch(
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        num_experts=8,
+        experts_per_token=2,
+        intermediate_size=256,
+        sliding_window=64,
+    ),
 }
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -115,239 +131,316 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def model_preset(name: str) -> ml_collections.ConfigDict:
-  if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-  return ml_collections.ConfigDict(dict(PRESETS[name]))
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ml_collections.ConfigDict(dict(PRESETS[name]))
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """Every option, with defaults right for the common case."""
-  c = ml_collections.ConfigDict()
-  c.model = model_preset("tiny")
+    """Every option, with defaults right for the common case."""
+    c = ml_collections.ConfigDict()
+    c.model = model_preset("tiny")
 
-  # How to compute: parameters stored in param_dtype, matmuls in dtype; norms, softmax,
-  # router, RoPE angles and the loss always run in float32.
-  c.dtype = "bfloat16"
-  c.param_dtype = "float32"
-  c.scan_layers = True            # lax.scan over 2-layer (banded, full) blocks
-  c.remat_policy = "full"         # one of REMAT_POLICIES
-  c.attention_impl = "xla"        # one of ATTENTION_IMPLS
-  c.attention_block = 512         # query block of the blockwise attention
-  c.moe_impl = "ragged"           # one of MOE_IMPLS
-  c.seed = 0
+    # How to compute: parameters stored in param_dtype, matmuls in dtype; norms, softmax,
+    # router, RoPE angles and the loss always run in float32.
+    c.dtype = "bfloat16"
+    c.param_dtype = "float32"
+    c.scan_layers = True  # lax.scan over 2-layer (banded, full) blocks
+    c.remat_policy = "full"  # one of REMAT_POLICIES
+    c.attention_impl = "xla"  # one of ATTENTION_IMPLS
+    c.attention_block = 512  # query block of the blockwise attention
+    c.moe_impl = "ragged"  # one of MOE_IMPLS
+    c.seed = 0
 
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
-  c.mesh_dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=1))
-  c.logical_axis_rules = DEFAULT_RULES
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
+    c.mesh_dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=1))
+    c.logical_axis_rules = DEFAULT_RULES
 
-  c.train = ml_collections.ConfigDict(dict(
-      steps=100,
-      global_batch_size=8,        # sequences per optimizer step, over all devices
-      seq_len=256,
-      grad_accum_steps=1,         # microbatches per step (global_batch_size splits into them)
-      learning_rate=3e-4,
-      warmup_steps=10,
-      end_lr_ratio=0.1,           # cosine decays to learning_rate * end_lr_ratio
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.1,
-      grad_clip_norm=1.0,
-      aux_loss_coef=0.01,         # MoE load balancing
-      z_loss_coef=0.0,
-      loss_chunk_size=1024,       # tokens per chunk of the vocabulary projection + loss
-      log_every=10,
-      eval_every=0,               # 0: no periodic eval
-      eval_batches=4,
-      peak_flops_per_device=0.0,  # 0: look it up from the device kind
-  ))
-  c.data = ml_collections.ConfigDict(dict(
-      source="stdlib",            # see sources.py for the accepted forms
-      eval_source="",             # "" with source=stdlib: a held-out slice of it
-      shuffle=True,
-      num_workers=0,              # grain worker processes (0: in the main process)
-      max_docs=0,                 # 0: all documents
-  ))
-  c.checkpoint = ml_collections.ConfigDict(dict(
-      every=50,
-      keep=3,
-      async_save=True,
-      init_from="",               # Orbax or HF dir: start from its params (fine-tuning)
-  ))
-  return c
+    c.train = ml_collections.ConfigDict(
+        dict(
+            steps=100,
+            global_batch_size=8,  # sequences per optimizer step, over all devices
+            seq_len=256,
+            grad_accum_steps=1,  # microbatches per step (global_batch_size splits into them)
+            learning_rate=3e-4,
+            warmup_steps=10,
+            end_lr_ratio=0.1,  # cosine decays to learning_rate * end_lr_ratio
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            grad_clip_norm=1.0,
+            aux_loss_coef=0.01,  # MoE load balancing
+            z_loss_coef=0.0,
+            loss_chunk_size=1024,  # tokens per chunk of the vocabulary projection + loss
+            log_every=10,
+            eval_every=0,  # 0: no periodic eval
+            eval_batches=4,
+            peak_flops_per_device=0.0,  # 0: look it up from the device kind
+        )
+    )
+    c.data = ml_collections.ConfigDict(
+        dict(
+            source="stdlib",  # see sources.py for the accepted forms
+            eval_source="",  # "" with source=stdlib: a held-out slice of it
+            shuffle=True,
+            num_workers=0,  # grain worker processes (0: in the main process)
+            max_docs=0,  # 0: all documents
+        )
+    )
+    c.checkpoint = ml_collections.ConfigDict(
+        dict(
+            every=50,
+            keep=3,
+            async_save=True,
+            init_from="",  # Orbax or HF dir: start from its params (fine-tuning)
+        )
+    )
+    return c
 
 
 def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
-  """The config a `configs/*.py` file's get_config() returns, as `--config=path[:arg]`
-  would give it (for tests, notebooks and tools that are not absl apps)."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("gpt_oss_train_config_file", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config() if arg is None else module.get_config(arg)
+    """The config a `configs/*.py` file's get_config() returns, as `--config=path[:arg]`
+    would give it (for tests, notebooks and tools that are not absl apps)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpt_oss_train_config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if arg is None else module.get_config(arg)
 
 
 def model_arch(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The architecture part of a config, as a plain dict (what checkpoints store)."""
-  return {k: config.model[k] for k in ARCH_FIELDS}
+    """The architecture part of a config, as a plain dict (what checkpoints store)."""
+    return {k: config.model[k] for k in ARCH_FIELDS}
 
 
 def arch_to_json(arch: dict[str, Any]) -> str:
-  return json.dumps({k: arch[k] for k in ARCH_FIELDS}, indent=2, sort_keys=False)
+    return json.dumps({k: arch[k] for k in ARCH_FIELDS}, indent=2, sort_keys=False)
 
 
 def arch_from_json(text: str, source: str) -> dict[str, Any]:
-  try:
-    arch = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{source}: model config is not valid JSON ({e})") from None
-  missing = [k for k in ARCH_FIELDS if k not in arch]
-  unknown = [k for k in arch if k not in ARCH_FIELDS]
-  if missing or unknown:
-    raise ValueError(f"{source}: model config has missing fields {missing} / unknown fields "
-                     f"{unknown}; it was not written by this version of gpt_oss_train")
-  return arch
+    try:
+        arch = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: model config is not valid JSON ({e})") from None
+    missing = [k for k in ARCH_FIELDS if k not in arch]
+    unknown = [k for k in arch if k not in ARCH_FIELDS]
+    if missing or unknown:
+        raise ValueError(
+            f"{source}: model config has missing fields {missing} / unknown fields "
+            f"{unknown}; it was not written by this version of gpt_oss_train"
+        )
+    return arch
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """What the model code reads: the architecture plus how to compute it. Hashable, so
-  it can be a static argument of jitted functions."""
-  vocab_size: int
-  hidden_size: int
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  num_experts: int
-  experts_per_token: int
-  intermediate_size: int
-  sliding_window: int
-  rope_theta: float
-  rope_scaling_factor: float
-  rope_original_max_position: int
-  rope_beta_fast: float
-  rope_beta_slow: float
-  rope_truncate: bool
-  max_position_embeddings: int
-  rms_norm_eps: float
-  swiglu_limit: float
-  swiglu_alpha: float = 1.702      # hard-coded in the reference, not in config.json
-  initializer_range: float = 0.02
-  dtype: str = "bfloat16"
-  param_dtype: str = "float32"
-  scan_layers: bool = True
-  remat_policy: str = "full"
-  attention_impl: str = "xla"
-  attention_block: int = 512
-  moe_impl: str = "ragged"
+    """What the model code reads: the architecture plus how to compute it. Hashable, so
+    it can be a static argument of jitted functions."""
 
-  @property
-  def num_blocks(self) -> int:
-    return self.num_layers // 2
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    sliding_window: int
+    rope_theta: float
+    rope_scaling_factor: float
+    rope_original_max_position: int
+    rope_beta_fast: float
+    rope_beta_slow: float
+    rope_truncate: bool
+    max_position_embeddings: int
+    rms_norm_eps: float
+    swiglu_limit: float
+    swiglu_alpha: float = 1.702  # hard-coded in the reference, not in config.json
+    initializer_range: float = 0.02
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat_policy: str = "full"
+    attention_impl: str = "xla"
+    attention_block: int = 512
+    moe_impl: str = "ragged"
 
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, arch: dict | None = None
-                  ) -> "ModelConfig":
-    arch = model_arch(config) if arch is None else arch
-    return cls(**arch, dtype=config.dtype, param_dtype=config.param_dtype,
-               scan_layers=config.scan_layers, remat_policy=config.remat_policy,
-               attention_impl=config.attention_impl, attention_block=config.attention_block,
-               moe_impl=config.moe_impl)
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers // 2
 
-  def replace(self, **kw) -> "ModelConfig":
-    return dataclasses.replace(self, **kw)
+    @classmethod
+    def from_config(
+        cls, config: ml_collections.ConfigDict, arch: dict | None = None
+    ) -> "ModelConfig":
+        arch = model_arch(config) if arch is None else arch
+        return cls(
+            **arch,
+            dtype=config.dtype,
+            param_dtype=config.param_dtype,
+            scan_layers=config.scan_layers,
+            remat_policy=config.remat_policy,
+            attention_impl=config.attention_impl,
+            attention_block=config.attention_block,
+            moe_impl=config.moe_impl,
+        )
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
 
 
 class ConfigError(ValueError):
-  """A configuration a user wrote that cannot run; the message names field and fix."""
+    """A configuration a user wrote that cannot run; the message names field and fix."""
 
 
 def _check(cond: bool, field: str, msg: str):
-  if not cond:
-    raise ConfigError(f"config.{field}: {msg}")
+    if not cond:
+        raise ConfigError(f"config.{field}: {msg}")
 
 
 def validate_model(m: dict[str, Any] | ml_collections.ConfigDict, prefix: str = "model"):
-  """Checks an architecture; raises ConfigError naming the first bad field."""
-  unknown = [k for k in m.keys() if k not in ARCH_FIELDS]
-  _check(not unknown, f"{prefix}.{unknown[0] if unknown else ''}",
-         f"unknown field; valid fields are {list(ARCH_FIELDS)}")
-  for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-            "head_dim", "num_experts", "experts_per_token", "intermediate_size",
-            "max_position_embeddings", "rope_original_max_position"):
-    _check(isinstance(m[k], int) and m[k] > 0, f"{prefix}.{k}",
-           f"must be a positive integer, got {m[k]!r}")
-  _check(m["num_layers"] % 2 == 0, f"{prefix}.num_layers",
-         f"must be even (layers come in (banded, full) pairs), got {m['num_layers']}")
-  _check(m["num_heads"] % m["num_kv_heads"] == 0, f"{prefix}.num_heads",
-         f"{m['num_heads']} query heads are not divisible by num_kv_heads="
-         f"{m['num_kv_heads']}; pick num_kv_heads dividing num_heads")
-  _check(m["head_dim"] % 2 == 0, f"{prefix}.head_dim",
-         f"must be even for rotary embeddings, got {m['head_dim']}")
-  _check(m["experts_per_token"] <= m["num_experts"], f"{prefix}.experts_per_token",
-         f"{m['experts_per_token']} > num_experts={m['num_experts']}; "
-         "lower experts_per_token or raise num_experts")
-  _check(isinstance(m["sliding_window"], int) and m["sliding_window"] > 0,
-         f"{prefix}.sliding_window", f"must be a positive integer, got {m['sliding_window']!r}")
-  _check(m["rope_theta"] > 1, f"{prefix}.rope_theta", f"must be > 1, got {m['rope_theta']}")
-  _check(m["rope_scaling_factor"] >= 1, f"{prefix}.rope_scaling_factor",
-         f"must be >= 1 (1 disables YaRN), got {m['rope_scaling_factor']}")
-  _check(m["rope_beta_fast"] > m["rope_beta_slow"] > 0, f"{prefix}.rope_beta_fast",
-         f"need rope_beta_fast > rope_beta_slow > 0, got {m['rope_beta_fast']}, "
-         f"{m['rope_beta_slow']}")
-  _check(m["rms_norm_eps"] > 0, f"{prefix}.rms_norm_eps", "must be > 0")
-  _check(m["swiglu_limit"] > 0, f"{prefix}.swiglu_limit", "must be > 0")
+    """Checks an architecture; raises ConfigError naming the first bad field."""
+    unknown = [k for k in m.keys() if k not in ARCH_FIELDS]
+    _check(
+        not unknown,
+        f"{prefix}.{unknown[0] if unknown else ''}",
+        f"unknown field; valid fields are {list(ARCH_FIELDS)}",
+    )
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "num_experts",
+        "experts_per_token",
+        "intermediate_size",
+        "max_position_embeddings",
+        "rope_original_max_position",
+    ):
+        _check(
+            isinstance(m[k], int) and m[k] > 0,
+            f"{prefix}.{k}",
+            f"must be a positive integer, got {m[k]!r}",
+        )
+    _check(
+        m["num_layers"] % 2 == 0,
+        f"{prefix}.num_layers",
+        f"must be even (layers come in (banded, full) pairs), got {m['num_layers']}",
+    )
+    _check(
+        m["num_heads"] % m["num_kv_heads"] == 0,
+        f"{prefix}.num_heads",
+        f"{m['num_heads']} query heads are not divisible by num_kv_heads="
+        f"{m['num_kv_heads']}; pick num_kv_heads dividing num_heads",
+    )
+    _check(
+        m["head_dim"] % 2 == 0,
+        f"{prefix}.head_dim",
+        f"must be even for rotary embeddings, got {m['head_dim']}",
+    )
+    _check(
+        m["experts_per_token"] <= m["num_experts"],
+        f"{prefix}.experts_per_token",
+        f"{m['experts_per_token']} > num_experts={m['num_experts']}; "
+        "lower experts_per_token or raise num_experts",
+    )
+    _check(
+        isinstance(m["sliding_window"], int) and m["sliding_window"] > 0,
+        f"{prefix}.sliding_window",
+        f"must be a positive integer, got {m['sliding_window']!r}",
+    )
+    _check(m["rope_theta"] > 1, f"{prefix}.rope_theta", f"must be > 1, got {m['rope_theta']}")
+    _check(
+        m["rope_scaling_factor"] >= 1,
+        f"{prefix}.rope_scaling_factor",
+        f"must be >= 1 (1 disables YaRN), got {m['rope_scaling_factor']}",
+    )
+    _check(
+        m["rope_beta_fast"] > m["rope_beta_slow"] > 0,
+        f"{prefix}.rope_beta_fast",
+        f"need rope_beta_fast > rope_beta_slow > 0, got {m['rope_beta_fast']}, "
+        f"{m['rope_beta_slow']}",
+    )
+    _check(m["rms_norm_eps"] > 0, f"{prefix}.rms_norm_eps", "must be > 0")
+    _check(m["swiglu_limit"] > 0, f"{prefix}.swiglu_limit", "must be > 0")
 
 
 def validate(config: ml_collections.ConfigDict):
-  """Checks a whole config before any compute. Raises ConfigError (one line)."""
-  known_top = set(default_config().keys())
-  for k in config.keys():
-    _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
-  validate_model(config.model)
-  for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn"):
-    defaults = default_config()[section]
-    for k in config[section].keys():
-      _check(k in defaults, f"{section}.{k}",
-             f"unknown field; valid fields are {sorted(defaults.keys())}")
-  _check(config.dtype in DTYPES, "dtype", f"{config.dtype!r} is not one of {DTYPES}")
-  _check(config.param_dtype in DTYPES, "param_dtype",
-         f"{config.param_dtype!r} is not one of {DTYPES}")
-  _check(config.remat_policy in REMAT_POLICIES, "remat_policy",
-         f"{config.remat_policy!r} is not one of {REMAT_POLICIES}")
-  _check(config.attention_impl in ATTENTION_IMPLS, "attention_impl",
-         f"{config.attention_impl!r} is not one of {ATTENTION_IMPLS}")
-  _check(config.attention_block > 0, "attention_block", "must be > 0")
-  _check(config.moe_impl in MOE_IMPLS, "moe_impl",
-         f"{config.moe_impl!r} is not one of {MOE_IMPLS}")
-  for name in ("mesh", "mesh_dcn"):
-    sizes = config[name]
-    for ax in MESH_AXES:
-      _check(ax in sizes, f"{name}.{ax}", "missing mesh axis")
-      v = sizes[ax]
-      _check(isinstance(v, int) and (v >= 1 or (v == -1 and name == "mesh")),
-             f"{name}.{ax}", f"must be a positive integer{' or -1' if name == 'mesh' else ''}"
-             f", got {v!r}")
-    _check(sum(1 for ax in MESH_AXES if sizes[ax] == -1) <= 1, name,
-           "at most one axis may be -1 (it takes the devices left over)")
-  t = config.train
-  _check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
-  _check(t.global_batch_size > 0, "train.global_batch_size", "must be > 0")
-  _check(t.seq_len > 1, "train.seq_len", "must be > 1")
-  _check(t.grad_accum_steps >= 1, "train.grad_accum_steps", "must be >= 1")
-  _check(t.global_batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps",
-         f"global_batch_size={t.global_batch_size} is not divisible by "
-         f"grad_accum_steps={t.grad_accum_steps}")
-  _check(t.learning_rate >= 0, "train.learning_rate", "must be >= 0")
-  _check(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
-  _check(0 <= t.end_lr_ratio <= 1, "train.end_lr_ratio", "must be in [0, 1]")
-  _check(0 <= t.b1 < 1 and 0 <= t.b2 < 1, "train.b1", "b1 and b2 must be in [0, 1)")
-  _check(t.grad_clip_norm >= 0, "train.grad_clip_norm", "must be >= 0 (0 disables)")
-  _check(t.loss_chunk_size > 0, "train.loss_chunk_size", "must be > 0")
-  _check(t.log_every > 0, "train.log_every", "must be > 0")
-  _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
-  _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-  _check(config.model.max_position_embeddings >= t.seq_len, "train.seq_len",
-         f"{t.seq_len} exceeds model.max_position_embeddings="
-         f"{config.model.max_position_embeddings}")
+    """Checks a whole config before any compute. Raises ConfigError (one line)."""
+    known_top = set(default_config().keys())
+    for k in config.keys():
+        _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
+    validate_model(config.model)
+    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn"):
+        defaults = default_config()[section]
+        for k in config[section].keys():
+            _check(
+                k in defaults,
+                f"{section}.{k}",
+                f"unknown field; valid fields are {sorted(defaults.keys())}",
+            )
+    _check(config.dtype in DTYPES, "dtype", f"{config.dtype!r} is not one of {DTYPES}")
+    _check(
+        config.param_dtype in DTYPES,
+        "param_dtype",
+        f"{config.param_dtype!r} is not one of {DTYPES}",
+    )
+    _check(
+        config.remat_policy in REMAT_POLICIES,
+        "remat_policy",
+        f"{config.remat_policy!r} is not one of {REMAT_POLICIES}",
+    )
+    _check(
+        config.attention_impl in ATTENTION_IMPLS,
+        "attention_impl",
+        f"{config.attention_impl!r} is not one of {ATTENTION_IMPLS}",
+    )
+    _check(config.attention_block > 0, "attention_block", "must be > 0")
+    _check(
+        config.moe_impl in MOE_IMPLS, "moe_impl", f"{config.moe_impl!r} is not one of {MOE_IMPLS}"
+    )
+    for name in ("mesh", "mesh_dcn"):
+        sizes = config[name]
+        for ax in MESH_AXES:
+            _check(ax in sizes, f"{name}.{ax}", "missing mesh axis")
+            v = sizes[ax]
+            _check(
+                isinstance(v, int) and (v >= 1 or (v == -1 and name == "mesh")),
+                f"{name}.{ax}",
+                f"must be a positive integer{' or -1' if name == 'mesh' else ''}, got {v!r}",
+            )
+        _check(
+            sum(1 for ax in MESH_AXES if sizes[ax] == -1) <= 1,
+            name,
+            "at most one axis may be -1 (it takes the devices left over)",
+        )
+    t = config.train
+    _check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
+    _check(t.global_batch_size > 0, "train.global_batch_size", "must be > 0")
+    _check(t.seq_len > 1, "train.seq_len", "must be > 1")
+    _check(t.grad_accum_steps >= 1, "train.grad_accum_steps", "must be >= 1")
+    _check(
+        t.global_batch_size % t.grad_accum_steps == 0,
+        "train.grad_accum_steps",
+        f"global_batch_size={t.global_batch_size} is not divisible by "
+        f"grad_accum_steps={t.grad_accum_steps}",
+    )
+    _check(t.learning_rate >= 0, "train.learning_rate", "must be >= 0")
+    _check(0 <= t.warmup_steps, "train.warmup_steps", "must be >= 0")
+    _check(0 <= t.end_lr_ratio <= 1, "train.end_lr_ratio", "must be in [0, 1]")
+    _check(0 <= t.b1 < 1 and 0 <= t.b2 < 1, "train.b1", "b1 and b2 must be in [0, 1)")
+    _check(t.grad_clip_norm >= 0, "train.grad_clip_norm", "must be >= 0 (0 disables)")
+    _check(t.loss_chunk_size > 0, "train.loss_chunk_size", "must be > 0")
+    _check(t.log_every > 0, "train.log_every", "must be > 0")
+    _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
+    _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _check(
+        config.model.max_position_embeddings >= t.seq_len,
+        "train.seq_len",
+        f"{t.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}",
+    )

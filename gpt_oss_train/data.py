@@ -44,205 +44,222 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 # --------------------------------------------------------------------------------------
 @functools.cache
 def _tokenizer():
-  # Built lazily in each process (grain workers too): the harmony encoding is not picklable.
-  from gpt_oss_train.tokenizer import Tokenizer
-  return Tokenizer()
+    # Built lazily in each process (grain workers too): the harmony encoding is not picklable.
+    from gpt_oss_train.tokenizer import Tokenizer
+
+    return Tokenizer()
 
 
 def document_ids(raw) -> tuple[np.ndarray, np.ndarray]:
-  """(ids, loss_mask) of one raw document, both int32 [n]."""
-  if isinstance(raw, str):
-    ids = np.asarray(_tokenizer().encode(raw) + [_tokenizer().eos_id], np.int32)
-    return ids, np.ones_like(ids)
-  if isinstance(raw, Chat):
-    try:
-      ids, mask = _tokenizer().render_chat_for_training(raw.messages)
-    except ValueError as e:
-      raise DataError(f"{raw.where}: {e}") from None
-    return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
-  raw = np.asarray(raw, np.int32)
-  return (raw[0], raw[1]) if raw.ndim == 2 else (raw, np.ones_like(raw))
+    """(ids, loss_mask) of one raw document, both int32 [n]."""
+    if isinstance(raw, str):
+        ids = np.asarray(_tokenizer().encode(raw) + [_tokenizer().eos_id], np.int32)
+        return ids, np.ones_like(ids)
+    if isinstance(raw, Chat):
+        try:
+            ids, mask = _tokenizer().render_chat_for_training(raw.messages)
+        except ValueError as e:
+            raise DataError(f"{raw.where}: {e}") from None
+        return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+    raw = np.asarray(raw, np.int32)
+    return (raw[0], raw[1]) if raw.ndim == 2 else (raw, np.ones_like(raw))
 
 
 def to_example(raw) -> dict[str, np.ndarray]:
-  ids, mask = document_ids(raw)
-  return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": mask[1:]}
+    ids, mask = document_ids(raw)
+    return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": mask[1:]}
 
 
 def _has_pairs(example: dict[str, np.ndarray]) -> bool:
-  return len(example["inputs"]) > 0  # an empty text is [eos] alone: nothing to predict
+    return len(example["inputs"]) > 0  # an empty text is [eos] alone: nothing to predict
 
 
 class _RowsIterator(grain.DatasetIterator):
-  """Turns ConcatThenSplit's output into batch rows, and repairs its state after JSON.
+    """Turns ConcatThenSplit's output into batch rows, and repairs its state after JSON.
 
-  grain 0.2.18's ConcatThenSplit compares `remainder_slices` with the tuple (-1, -1);
-  after a JSON round trip (Orbax's grain handler) they are lists, the comparison fails,
-  and the restored iterator yields different rows. Tuples are put back here.
-  """
+    grain 0.2.18's ConcatThenSplit compares `remainder_slices` with the tuple (-1, -1);
+    after a JSON round trip (Orbax's grain handler) they are lists, the comparison fails,
+    and the restored iterator yields different rows. Tuples are put back here.
+    """
 
-  def __init__(self, parent: grain.DatasetIterator, pad_id: int):
-    super().__init__(parent)
-    self._pad_id = pad_id
+    def __init__(self, parent: grain.DatasetIterator, pad_id: int):
+        super().__init__(parent)
+        self._pad_id = pad_id
 
-  def __next__(self) -> dict[str, np.ndarray]:
-    row = next(self._parent)
-    seg = row["inputs_segment_ids"].astype(np.int32)
-    pad = seg == 0
-    return {
-        "inputs": np.where(pad, self._pad_id, row["inputs"]).astype(np.int32),
-        "targets": np.where(pad, self._pad_id, row["targets"]).astype(np.int32),
-        "positions": np.where(pad, 0, row["inputs_positions"]).astype(np.int32),
-        "segment_ids": seg,
-        "loss_mask": np.where(pad, 0, row["loss_mask"]).astype(np.int32),
-    }
+    def __next__(self) -> dict[str, np.ndarray]:
+        row = next(self._parent)
+        seg = row["inputs_segment_ids"].astype(np.int32)
+        pad = seg == 0
+        return {
+            "inputs": np.where(pad, self._pad_id, row["inputs"]).astype(np.int32),
+            "targets": np.where(pad, self._pad_id, row["targets"]).astype(np.int32),
+            "positions": np.where(pad, 0, row["inputs_positions"]).astype(np.int32),
+            "segment_ids": seg,
+            "loss_mask": np.where(pad, 0, row["loss_mask"]).astype(np.int32),
+        }
 
-  def get_state(self) -> dict[str, Any]:
-    return self._parent.get_state()
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
 
-  def set_state(self, state: dict[str, Any]) -> None:
-    state = dict(state)
-    state["remainder_slices"] = {k: tuple(v) for k, v in state["remainder_slices"].items()}
-    self._parent.set_state(state)
+    def set_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["remainder_slices"] = {k: tuple(v) for k, v in state["remainder_slices"].items()}
+        self._parent.set_state(state)
 
 
 class _Rows(grain.IterDataset):
+    def __init__(self, parent: grain.IterDataset, pad_id: int):
+        super().__init__(parent)
+        self._pad_id = pad_id
 
-  def __init__(self, parent: grain.IterDataset, pad_id: int):
-    super().__init__(parent)
-    self._pad_id = pad_id
-
-  def __iter__(self) -> _RowsIterator:
-    return _RowsIterator(self._parent.__iter__(), self._pad_id)
+    def __iter__(self) -> _RowsIterator:
+        return _RowsIterator(self._parent.__iter__(), self._pad_id)
 
 
 def pack(examples: grain.IterDataset, seq_len: int, pad_id: int = PAD_ID) -> grain.IterDataset:
-  """Rows of exactly seq_len from examples {inputs, targets, loss_mask} (module docstring)."""
-  cts = grain.experimental.ConcatThenSplitIterDataset(
-      examples, length_struct={k: seq_len for k in EXAMPLE_KEYS})
-  return _Rows(cts, pad_id)
+    """Rows of exactly seq_len from examples {inputs, targets, loss_mask} (module docstring)."""
+    cts = grain.experimental.ConcatThenSplitIterDataset(
+        examples, length_struct={k: seq_len for k in EXAMPLE_KEYS}
+    )
+    return _Rows(cts, pad_id)
 
 
 def _stack_rows(rows: list[dict[str, np.ndarray]], *, num_rows: int, pad_id: int):
-  """Stacks rows into a batch, padding a short last batch with empty rows so every batch
-  has the same shape (a new shape would recompile the train step)."""
-  batch = {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
-  missing = num_rows - len(rows)
-  if missing:
-    for k, v in batch.items():
-      fill = pad_id if k in ("inputs", "targets") else 0
-      batch[k] = np.concatenate([v, np.full((missing, v.shape[1]), fill, np.int32)])
-  return batch
+    """Stacks rows into a batch, padding a short last batch with empty rows so every batch
+    has the same shape (a new shape would recompile the train step)."""
+    batch = {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
+    missing = num_rows - len(rows)
+    if missing:
+        for k, v in batch.items():
+            fill = pad_id if k in ("inputs", "targets") else 0
+            batch[k] = np.concatenate([v, np.full((missing, v.shape[1]), fill, np.int32)])
+    return batch
 
 
 # --------------------------------------------------------------------------------------
 # Pipeline
 # --------------------------------------------------------------------------------------
 class Pipeline:
-  """A running input pipeline. `next(p)` / `p.next()` give this process's batch.
+    """A running input pipeline. `next(p)` / `p.next()` give this process's batch.
 
-  `iterator` is the grain DatasetIterator: checkpoint it with Orbax through
-  `grain.checkpoint.CheckpointSave(p.iterator)` / `CheckpointRestore(p.iterator)`;
-  `get_state()` / `set_state()` are the same state as plain JSON-able dicts.
-  """
+    `iterator` is the grain DatasetIterator: checkpoint it with Orbax through
+    `grain.checkpoint.CheckpointSave(p.iterator)` / `CheckpointRestore(p.iterator)`;
+    `get_state()` / `set_state()` are the same state as plain JSON-able dicts.
+    """
 
-  def __init__(self, dataset: grain.IterDataset, source, *, rows: int, seq_len: int):
-    self.dataset, self.source, self.rows, self.seq_len = dataset, source, rows, seq_len
-    self.iterator = iter(dataset)
-    self._batches = self._tokens = self._loss_tokens = 0
+    def __init__(self, dataset: grain.IterDataset, source, *, rows: int, seq_len: int):
+        self.dataset, self.source, self.rows, self.seq_len = dataset, source, rows, seq_len
+        self.iterator = iter(dataset)
+        self._batches = self._tokens = self._loss_tokens = 0
 
-  def __iter__(self):
-    return self
+    def __iter__(self):
+        return self
 
-  def __next__(self) -> dict[str, np.ndarray]:
-    batch = next(self.iterator)
-    self._batches += 1
-    self._tokens += int(np.count_nonzero(batch["segment_ids"]))
-    self._loss_tokens += int(batch["loss_mask"].sum())
-    return batch
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = next(self.iterator)
+        self._batches += 1
+        self._tokens += int(np.count_nonzero(batch["segment_ids"]))
+        self._loss_tokens += int(batch["loss_mask"].sum())
+        return batch
 
-  def next(self) -> dict[str, np.ndarray]:
-    return self.__next__()
+    def next(self) -> dict[str, np.ndarray]:
+        return self.__next__()
 
-  def get_state(self) -> dict[str, Any]:
-    return self.iterator.get_state()
+    def get_state(self) -> dict[str, Any]:
+        return self.iterator.get_state()
 
-  def set_state(self, state: dict[str, Any]) -> None:
-    self.iterator.set_state(state)
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.iterator.set_state(state)
 
-  def stats(self) -> dict[str, Any]:
-    """Counts since this Pipeline was built. Replaced bytes are those this process read
-    (with num_workers > 0 the workers read, and log their warnings themselves)."""
-    per_file = replaced_bytes(self.source)
-    slots = self._batches * self.rows * self.seq_len
-    return {
-        "batches": self._batches,
-        "tokens": self._tokens,
-        "loss_tokens": self._loss_tokens,
-        "padding_fraction": 1 - self._tokens / slots if slots else 0.0,
-        "replaced_bytes": sum(per_file.values()),
-        "files_with_replaced_bytes": per_file,
-    }
+    def stats(self) -> dict[str, Any]:
+        """Counts since this Pipeline was built. Replaced bytes are those this process read
+        (with num_workers > 0 the workers read, and log their warnings themselves)."""
+        per_file = replaced_bytes(self.source)
+        slots = self._batches * self.rows * self.seq_len
+        return {
+            "batches": self._batches,
+            "tokens": self._tokens,
+            "loss_tokens": self._loss_tokens,
+            "padding_fraction": 1 - self._tokens / slots if slots else 0.0,
+            "replaced_bytes": sum(per_file.values()),
+            "files_with_replaced_bytes": per_file,
+        }
 
-  def close(self) -> None:
-    self.iterator.close()
+    def close(self) -> None:
+        self.iterator.close()
 
 
-def make_pipeline(source_spec, *, seq_len: int, global_batch_size: int, seed: int,
-                  shuffle: bool = True, process_index: int | None = None,
-                  process_count: int | None = None, num_epochs: int | None = None,
-                  split: str = "train", num_workers: int = 0, max_docs: int = 0,
-                  read_threads: int = 2) -> Pipeline:
-  """The pipeline of one JAX process: global_batch_size // process_count rows a batch.
+def make_pipeline(
+    source_spec,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    num_epochs: int | None = None,
+    split: str = "train",
+    num_workers: int = 0,
+    max_docs: int = 0,
+    read_threads: int = 2,
+) -> Pipeline:
+    """The pipeline of one JAX process: global_batch_size // process_count rows a batch.
 
-  Order (all deterministic in `seed`, resumable from the iterator state): documents ->
-  shuffle (a new order each epoch) -> repeat num_epochs (None: forever) -> this process's
-  share [process_index::process_count] -> tokenize -> pack -> batch. `source_spec` is a
-  spec string or a source from `make_source`; `max_docs` > 0 keeps the first max_docs.
+    Order (all deterministic in `seed`, resumable from the iterator state): documents ->
+    shuffle (a new order each epoch) -> repeat num_epochs (None: forever) -> this process's
+    share [process_index::process_count] -> tokenize -> pack -> batch. `source_spec` is a
+    spec string or a source from `make_source`; `max_docs` > 0 keeps the first max_docs.
 
-  A finite run (num_epochs set) ends with a last batch padded to full size; in a
-  multi-process job the processes may run out after different numbers of batches, so
-  take a fixed number of batches from a forever pipeline when they must stay in step.
-  """
-  if process_index is None or process_count is None:
-    import jax
-    process_index, process_count = jax.process_index(), jax.process_count()
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-  if seq_len <= 0 or global_batch_size <= 0 or global_batch_size % process_count:
-    raise ValueError(f"global_batch_size {global_batch_size} must be a positive multiple of "
-                     f"the {process_count} processes, and seq_len ({seq_len}) positive")
-  if not 0 <= seed < 2**32:
-    raise ValueError(f"seed {seed} must be in [0, 2**32)")
-  source = make_source(source_spec, split=split) if isinstance(source_spec, str) else source_spec
-  rows = global_batch_size // process_count
-  pad_id = PAD_ID
+    A finite run (num_epochs set) ends with a last batch padded to full size; in a
+    multi-process job the processes may run out after different numbers of batches, so
+    take a fixed number of batches from a forever pipeline when they must stay in step.
+    """
+    if process_index is None or process_count is None:
+        import jax
 
-  ds = grain.MapDataset.source(source)
-  if max_docs > 0:
-    ds = ds[:max_docs]
-  if shuffle:
-    ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs)
-  # After repeat, so the processes split every epoch between them, each a disjoint part.
-  ds = ds[process_index::process_count]
-  ds = ds.map(to_example).filter(_has_pairs)
-  # Threads overlap file reads and tokenizing with the train step (which releases the GIL).
-  ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
-  ds = pack(ds, seq_len, pad_id)
-  ds = ds.batch(rows, batch_fn=functools.partial(_stack_rows, num_rows=rows, pad_id=pad_id))
-  if num_workers > 0:
-    from absl import flags
-    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app
-      flags.FLAGS.mark_as_parsed()   # (tests, notebooks) their defaults are the right ones
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  return Pipeline(ds, source, rows=rows, seq_len=seq_len)
+        process_index, process_count = jax.process_index(), jax.process_count()
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    if seq_len <= 0 or global_batch_size <= 0 or global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} must be a positive multiple of "
+            f"the {process_count} processes, and seq_len ({seq_len}) positive"
+        )
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed {seed} must be in [0, 2**32)")
+    source = make_source(source_spec, split=split) if isinstance(source_spec, str) else source_spec
+    rows = global_batch_size // process_count
+    pad_id = PAD_ID
+
+    ds = grain.MapDataset.source(source)
+    if max_docs > 0:
+        ds = ds[:max_docs]
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    # After repeat, so the processes split every epoch between them, each a disjoint part.
+    ds = ds[process_index::process_count]
+    ds = ds.map(to_example).filter(_has_pairs)
+    # Threads overlap file reads and tokenizing with the train step (which releases the GIL).
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
+    ds = pack(ds, seq_len, pad_id)
+    ds = ds.batch(rows, batch_fn=functools.partial(_stack_rows, num_rows=rows, pad_id=pad_id))
+    if num_workers > 0:
+        from absl import flags
+
+        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app
+            flags.FLAGS.mark_as_parsed()  # (tests, notebooks) their defaults are the right ones
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return Pipeline(ds, source, rows=rows, seq_len=seq_len)
 
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh, rules) -> dict[str, Any]:
-  """This process's rows -> global jax.Arrays sharded over `batch` (any process count)."""
-  import jax
-  from gpt_oss_train import sharding
-  s = sharding.batch_sharding(mesh, sharding.validate_rules(rules, mesh.axis_names), 2)
-  return {k: jax.make_array_from_process_local_data(s, np.asarray(v))
-          for k, v in local_batch.items()}
+    """This process's rows -> global jax.Arrays sharded over `batch` (any process count)."""
+    import jax
+    from gpt_oss_train import sharding
+
+    s = sharding.batch_sharding(mesh, sharding.validate_rules(rules, mesh.axis_names), 2)
+    return {
+        k: jax.make_array_from_process_local_data(s, np.asarray(v)) for k, v in local_batch.items()
+    }

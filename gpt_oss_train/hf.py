@@ -48,11 +48,20 @@ from typing import Any, Callable, Mapping
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
-from gpt_oss_train.hf_config import (check_model_dict, generation_config,
-                                     hf_config_to_model_dict, model_dict_to_hf_config)
+from gpt_oss_train.hf_config import (
+    check_model_dict,
+    generation_config,
+    hf_config_to_model_dict,
+    model_dict_to_hf_config,
+)
 from gpt_oss_train.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from gpt_oss_train.safetensors_io import (FLOAT_DTYPES, ST_DTYPES, TensorInfo, read_header,
-                                          write_safetensors)
+from gpt_oss_train.safetensors_io import (
+    FLOAT_DTYPES,
+    ST_DTYPES,
+    TensorInfo,
+    read_header,
+    write_safetensors,
+)
 
 __all__ = [
     "HFCheckpoint",
@@ -64,7 +73,10 @@ __all__ = [
 ]
 
 KINDS = ("sliding", "full")  # block i of KINDS[j] is HF layer 2i + j
-_SAVE_DTYPES = {"float32": ("F32", np.dtype("<f4")), "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16))}
+_SAVE_DTYPES = {
+    "float32": ("F32", np.dtype("<f4")),
+    "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16)),
+}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,9 +88,16 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def _dims(m: Mapping[str, Any]) -> dict[str, int]:
-    return dict(V=int(m["vocab_size"]), D=int(m["hidden_size"]), N=int(m["num_heads"]),
-                K=int(m["num_kv_heads"]), H=int(m["head_dim"]), E=int(m["num_experts"]),
-                F=int(m["intermediate_size"]), L2=int(m["num_layers"]) // 2)
+    return dict(
+        V=int(m["vocab_size"]),
+        D=int(m["hidden_size"]),
+        N=int(m["num_heads"]),
+        K=int(m["num_kv_heads"]),
+        H=int(m["head_dim"]),
+        E=int(m["num_experts"]),
+        F=int(m["intermediate_size"]),
+        L2=int(m["num_layers"]) // 2,
+    )
 
 
 # Block leaves: leaf -> per-layer shape (without the L2 axis), in terms of _dims.
@@ -154,8 +173,9 @@ _HF_LAYER = {
     "mlp.experts.down_proj": (("moe/wo",), "E F D"),
     "mlp.experts.down_proj_bias": (("moe/bo",), "E D"),
 }
-_LEAF_TO_HF = {leaf: (suffix, j) for suffix, (leaves, _) in _HF_LAYER.items()
-               for j, leaf in enumerate(leaves)}
+_LEAF_TO_HF = {
+    leaf: (suffix, j) for suffix, (leaves, _) in _HF_LAYER.items() for j, leaf in enumerate(leaves)
+}
 _HF_TOP = {
     "model.embed_tokens.weight": ("embed/embedding", "V D"),
     "model.norm.weight": ("final_norm/scale", "D"),
@@ -284,22 +304,31 @@ class HFCheckpoint:
                 headers[fname] = read_header(fpath)[0]
             for name, fname in wmap.items():
                 if name not in headers[fname]:
-                    raise ValueError(f"{idx_path} says tensor {name!r} is in "
-                                     f"{os.path.join(self.path, fname)}, but that file lacks it")
+                    raise ValueError(
+                        f"{idx_path} says tensor {name!r} is in "
+                        f"{os.path.join(self.path, fname)}, but that file lacks it"
+                    )
                 tensors[name] = headers[fname][name]
             return tensors
         if os.path.isfile(single):
             files = [single]
         else:
-            files = sorted(os.path.join(self.path, f) for f in os.listdir(self.path)
-                           if f.endswith(".safetensors"))
+            files = sorted(
+                os.path.join(self.path, f)
+                for f in os.listdir(self.path)
+                if f.endswith(".safetensors")
+            )
             if not files:
-                raise FileNotFoundError(f"HF checkpoint {self.path} has no {SINGLE_FILE}, no "
-                                        f"{INDEX_FILE} and no *.safetensors files")
+                raise FileNotFoundError(
+                    f"HF checkpoint {self.path} has no {SINGLE_FILE}, no "
+                    f"{INDEX_FILE} and no *.safetensors files"
+                )
         for fpath in files:
             for name, info in read_header(fpath)[0].items():
                 if name in tensors:
-                    raise ValueError(f"tensor {name!r} appears in both {tensors[name].file} and {fpath}")
+                    raise ValueError(
+                        f"tensor {name!r} appears in both {tensors[name].file} and {fpath}"
+                    )
                 tensors[name] = info
         return tensors
 
@@ -312,8 +341,10 @@ class HFCheckpoint:
         if t is None:
             raise ValueError(f"HF checkpoint is missing tensor {name!r} in {self._where()}")
         if t.shape != tuple(shape):
-            raise ValueError(f"tensor {name!r} in {t.file} has shape {list(t.shape)}, expected "
-                             f"{list(shape)} from config.json")
+            raise ValueError(
+                f"tensor {name!r} in {t.file} has shape {list(t.shape)}, expected "
+                f"{list(shape)} from config.json"
+            )
         ok = t.dtype in FLOAT_DTYPES if kind == "float" else t.dtype == "U8"
         if not ok:
             want = "a float dtype (F32/BF16/F16/F64)" if kind == "float" else "U8"
@@ -332,14 +363,18 @@ class HFCheckpoint:
                         dense = _hf_shape(spec, d)  # [E, in, out]
                         e, i, o = dense
                         if i % 32:
-                            raise ValueError(f"tensor {blocks!r}: MXFP4 needs the input size {i} "
-                                             "to be a multiple of 32")
+                            raise ValueError(
+                                f"tensor {blocks!r}: MXFP4 needs the input size {i} "
+                                "to be a multiple of 32"
+                            )
                         self._check(blocks, (e, o, i // 32, 16), "u8")
                         self._check(scales, (e, o, i // 32), "u8")
                         self._mx_layers.add(n)
                         continue
-                    raise ValueError(f"HF checkpoint is missing tensor {name!r} (or its MXFP4 form "
-                                     f"{blocks!r} + {scales!r}) in {self._where()}")
+                    raise ValueError(
+                        f"HF checkpoint is missing tensor {name!r} (or its MXFP4 form "
+                        f"{blocks!r} + {scales!r}) in {self._where()}"
+                    )
                 self._check(name, _hf_shape(spec, d), "float")
 
     # -- public API --------------------------------------------------------------
@@ -409,6 +444,7 @@ class HFCheckpoint:
         h = self._handles.get(t.file)
         if h is None:
             from safetensors import safe_open  # local: keep module import cheap
+
             h = self._handles[t.file] = safe_open(t.file, framework="numpy")
         try:
             return h.get_tensor(name)
@@ -416,8 +452,9 @@ class HFCheckpoint:
             # A numpy without a registered bfloat16 name: read the raw bytes instead.
             _, start = read_header(t.file)
             dt = ST_DTYPES[t.dtype]
-            return np.fromfile(t.file, dtype=dt, count=math.prod(t.shape),
-                               offset=start + t.begin).reshape(t.shape)
+            return np.fromfile(
+                t.file, dtype=dt, count=math.prod(t.shape), offset=start + t.begin
+            ).reshape(t.shape)
 
 
 def load_params(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -461,10 +498,15 @@ def _check_out_dir(out_dir: str) -> None:
             raise FileExistsError(f"{out_dir} {what}; refusing to overwrite it")
 
 
-def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
-            get_param: Callable[[str, slice | None], Any] | Mapping[str, Any],
-            dtype: str = "bfloat16", max_shard_bytes: float = 5e9, *,
-            mxfp4: bool = False) -> None:
+def save_hf(
+    out_dir: str | os.PathLike,
+    model_config: Mapping[str, Any],
+    get_param: Callable[[str, slice | None], Any] | Mapping[str, Any],
+    dtype: str = "bfloat16",
+    max_shard_bytes: float = 5e9,
+    *,
+    mxfp4: bool = False,
+) -> None:
     """Write a Hugging Face GPT-OSS checkpoint folder.
 
     get_param(path, layers) returns our array for `path` (layers is None for top-level
@@ -490,8 +532,10 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
     d = _dims(m)
     shapes = param_shapes(m)
     if mxfp4 and (d["D"] % 32 or d["F"] % 32):
-        raise ValueError(f"save_hf(mxfp4=True) needs hidden_size ({d['D']}) and "
-                         f"intermediate_size ({d['F']}) divisible by 32")
+        raise ValueError(
+            f"save_hf(mxfp4=True) needs hidden_size ({d['D']}) and "
+            f"intermediate_size ({d['F']}) divisible by 32"
+        )
     _check_out_dir(out_dir)
 
     if callable(get_param):
@@ -509,8 +553,10 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
         a = np.asarray(a)
         if layer is not None:
             if a.shape != (1, *want):
-                raise ValueError(f"get_param({path!r}, slice({layer}, {layer + 1})) returned shape "
-                                 f"{a.shape}, expected {(1, *want)}")
+                raise ValueError(
+                    f"get_param({path!r}, slice({layer}, {layer + 1})) returned shape "
+                    f"{a.shape}, expected {(1, *want)}"
+                )
             a = a[0]
         elif a.shape != want:
             raise ValueError(f"get_param({path!r}, None) returned shape {a.shape}, expected {want}")
@@ -522,8 +568,14 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
     def cast(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a.astype(np_dt, copy=False))
 
-    plan.append(("model.embed_tokens.weight", st, _hf_shape("V D", d),
-                 lambda: cast(fetch("embed/embedding", None))))
+    plan.append(
+        (
+            "model.embed_tokens.weight",
+            st,
+            _hf_shape("V D", d),
+            lambda: cast(fetch("embed/embedding", None)),
+        )
+    )
     for n in range(int(m["num_layers"])):
         i, kind = n // 2, KINDS[n % 2]
         for suffix, (leaves, spec) in _HF_LAYER.items():
@@ -546,16 +598,25 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
                         cache["blocks"], cache["scales"] = quantize_mxfp4(w)
                     return cache.pop(part)
 
-                plan.append((name + "_blocks", "U8", (e, o, ii // 32, 16),
-                             lambda quant=quant: quant("blocks")))
-                plan.append((name + "_scales", "U8", (e, o, ii // 32),
-                             lambda quant=quant: quant("scales")))
+                plan.append(
+                    (
+                        name + "_blocks",
+                        "U8",
+                        (e, o, ii // 32, 16),
+                        lambda quant=quant: quant("blocks"),
+                    )
+                )
+                plan.append(
+                    (name + "_scales", "U8", (e, o, ii // 32), lambda quant=quant: quant("scales"))
+                )
             else:
                 plan.append((name, st, _hf_shape(spec, d), dense))
-    plan.append(("model.norm.weight", st, _hf_shape("D", d),
-                 lambda: cast(fetch("final_norm/scale", None))))
-    plan.append(("lm_head.weight", st, _hf_shape("V D", d),
-                 lambda: cast(fetch("unembed/kernel", None).T)))
+    plan.append(
+        ("model.norm.weight", st, _hf_shape("D", d), lambda: cast(fetch("final_norm/scale", None)))
+    )
+    plan.append(
+        ("lm_head.weight", st, _hf_shape("V D", d), lambda: cast(fetch("unembed/kernel", None).T))
+    )
 
     # Shard greedily in plan order (blocks before scales, so a pair stays adjacent).
     shards: list[list[int]] = [[]]
@@ -570,8 +631,11 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
         shards[-1].append(k)
         size += nb
     nsh = len(shards)
-    fnames = ([SINGLE_FILE] if nsh == 1 else
-              [f"model-{s + 1:05d}-of-{nsh:05d}.safetensors" for s in range(nsh)])
+    fnames = (
+        [SINGLE_FILE]
+        if nsh == 1
+        else [f"model-{s + 1:05d}-of-{nsh:05d}.safetensors" for s in range(nsh)]
+    )
 
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -580,18 +644,27 @@ def save_hf(out_dir: str | os.PathLike, model_config: Mapping[str, Any],
         weight_map: dict[str, str] = {}
         for fname, ks in zip(fnames, shards):
             producers = {plan[k][0]: plan[k][3] for k in ks}
-            write_safetensors(os.path.join(tmp, fname), [plan[k][:3] for k in ks],
-                              lambda name, producers=producers: producers[name]())
+            write_safetensors(
+                os.path.join(tmp, fname),
+                [plan[k][:3] for k in ks],
+                lambda name, producers=producers: producers[name](),
+            )
             for k in ks:
                 weight_map[plan[k][0]] = fname
         if nsh > 1:
             with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                json.dump(
+                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
+                )
         if mxfp4:
             hf_cfg["quantization_config"] = {
                 "quant_method": "mxfp4",
-                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                           "model.embed_tokens", "lm_head"],
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
             }
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
@@ -626,10 +699,17 @@ def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
             for k in p.split("/"):
                 target = target[k]
             if tuple(target.shape) != tuple(ckpt.param_shape(p)):
-                raise ValueError(f"{path}: {p} has shape {ckpt.param_shape(p)} in the checkpoint "
-                                 f"but the model expects {tuple(target.shape)}")
-            _set(out, p, jax.make_array_from_callback(
-                tuple(target.shape), target.sharding, _shard_reader(ckpt, p, target.dtype)))
+                raise ValueError(
+                    f"{path}: {p} has shape {ckpt.param_shape(p)} in the checkpoint "
+                    f"but the model expects {tuple(target.shape)}"
+                )
+            _set(
+                out,
+                p,
+                jax.make_array_from_callback(
+                    tuple(target.shape), target.sharding, _shard_reader(ckpt, p, target.dtype)
+                ),
+            )
     finally:
         ckpt.close()
     return out

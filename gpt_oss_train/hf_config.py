@@ -13,8 +13,12 @@ from typing import Any, Mapping
 
 from gpt_oss_train.config import ARCH_FIELDS
 
-__all__ = ["hf_config_to_model_dict", "model_dict_to_hf_config", "check_model_dict",
-           "generation_config"]
+__all__ = [
+    "hf_config_to_model_dict",
+    "model_dict_to_hf_config",
+    "check_model_dict",
+    "generation_config",
+]
 
 # GPT-OSS (o200k_harmony) special tokens.
 BOS_ID = 199998  # <|startoftext|>
@@ -57,23 +61,32 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     m["hidden_size"] = _as_int("hidden_size", _get(hf, "hidden_size"))
     nl = _as_int("num_hidden_layers", _get(hf, "num_hidden_layers", "num_layers"))
     if nl < 2 or nl % 2:
-        raise ValueError(f"HF config: num_hidden_layers must be even and >= 2 (layers come in "
-                         f"sliding/full pairs), got {nl}")
+        raise ValueError(
+            f"HF config: num_hidden_layers must be even and >= 2 (layers come in "
+            f"sliding/full pairs), got {nl}"
+        )
     m["num_layers"] = nl
     m["num_heads"] = _as_int("num_attention_heads", _get(hf, "num_attention_heads"))
-    m["num_kv_heads"] = _as_int("num_key_value_heads",
-                                _get(hf, "num_key_value_heads", default=m["num_heads"]))
+    m["num_kv_heads"] = _as_int(
+        "num_key_value_heads", _get(hf, "num_key_value_heads", default=m["num_heads"])
+    )
     if m["num_heads"] % m["num_kv_heads"]:
-        raise ValueError(f"HF config: num_attention_heads ({m['num_heads']}) must be a multiple "
-                         f"of num_key_value_heads ({m['num_kv_heads']})")
-    m["head_dim"] = _as_int("head_dim", _get(hf, "head_dim",
-                                             default=m["hidden_size"] // m["num_heads"]))
+        raise ValueError(
+            f"HF config: num_attention_heads ({m['num_heads']}) must be a multiple "
+            f"of num_key_value_heads ({m['num_kv_heads']})"
+        )
+    m["head_dim"] = _as_int(
+        "head_dim", _get(hf, "head_dim", default=m["hidden_size"] // m["num_heads"])
+    )
     m["num_experts"] = _as_int("num_local_experts", _get(hf, "num_local_experts", "num_experts"))
-    m["experts_per_token"] = _as_int("num_experts_per_tok",
-                                     _get(hf, "num_experts_per_tok", "experts_per_token"))
+    m["experts_per_token"] = _as_int(
+        "num_experts_per_tok", _get(hf, "num_experts_per_tok", "experts_per_token")
+    )
     if not 1 <= m["experts_per_token"] <= m["num_experts"]:
-        raise ValueError(f"HF config: num_experts_per_tok={m['experts_per_token']} must be in "
-                         f"[1, num_local_experts={m['num_experts']}]")
+        raise ValueError(
+            f"HF config: num_experts_per_tok={m['experts_per_token']} must be in "
+            f"[1, num_local_experts={m['num_experts']}]"
+        )
     m["intermediate_size"] = _as_int("intermediate_size", _get(hf, "intermediate_size"))
     sw = hf.get("sliding_window")
     if sw is None or _as_int("sliding_window", sw) < 1:
@@ -85,23 +98,30 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     if lt is not None:
         want = [SLIDING, FULL] * (nl // 2)
         if list(lt) != want:
-            raise ValueError(f"HF config: layer_types must alternate {SLIDING!r}, {FULL!r} starting "
-                             f"with {SLIDING!r} for {nl} layers, got {list(lt)}")
+            raise ValueError(
+                f"HF config: layer_types must alternate {SLIDING!r}, {FULL!r} starting "
+                f"with {SLIDING!r} for {nl} layers, got {list(lt)}"
+            )
 
     # RoPE (YaRN).
     rp = hf.get("rope_parameters") or hf.get("rope_scaling")
     if rp is None:
-        raise ValueError("HF config: rope_parameters (or rope_scaling) is missing; GPT-OSS needs "
-                         "YaRN RoPE")
+        raise ValueError(
+            "HF config: rope_parameters (or rope_scaling) is missing; GPT-OSS needs YaRN RoPE"
+        )
     if not isinstance(rp, Mapping):
         raise ValueError(f"HF config: rope_parameters must be a dict, got {rp!r}")
     rtype = rp.get("rope_type", rp.get("type"))
     if rtype != "yarn":
-        raise ValueError(f"HF config: rope_parameters.rope_type is {rtype!r}; only 'yarn' is supported")
+        raise ValueError(
+            f"HF config: rope_parameters.rope_type is {rtype!r}; only 'yarn' is supported"
+        )
     for k in ("attention_factor", "mscale", "mscale_all_dim"):
         if rp.get(k) is not None:
-            raise ValueError(f"HF config: rope_parameters.{k} is not supported (the model uses "
-                             "attention factor 0.1*ln(factor)+1)")
+            raise ValueError(
+                f"HF config: rope_parameters.{k} is not supported (the model uses "
+                "attention factor 0.1*ln(factor)+1)"
+            )
     prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if prf is not None and float(prf) != 1.0:
         raise ValueError(f"HF config: partial_rotary_factor={prf} is not supported")
@@ -109,14 +129,17 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     m["rope_theta"] = float(theta if theta is not None else 150000.0)
     if "original_max_position_embeddings" not in rp:
         raise ValueError("HF config: rope_parameters.original_max_position_embeddings is missing")
-    orig = _as_int("rope_parameters.original_max_position_embeddings",
-                   rp["original_max_position_embeddings"])
+    orig = _as_int(
+        "rope_parameters.original_max_position_embeddings", rp["original_max_position_embeddings"]
+    )
     m["max_position_embeddings"] = _as_int(
-        "max_position_embeddings", _get(hf, "max_position_embeddings", default=131072))
+        "max_position_embeddings", _get(hf, "max_position_embeddings", default=131072)
+    )
     factor = rp.get("factor")
     # transformers: a missing factor means max_position_embeddings / original.
-    m["rope_scaling_factor"] = float(factor if factor is not None
-                                     else m["max_position_embeddings"] / orig)
+    m["rope_scaling_factor"] = float(
+        factor if factor is not None else m["max_position_embeddings"] / orig
+    )
     m["rope_original_max_position"] = orig
     # transformers treats missing / null / 0 beta as the paper defaults, and missing
     # truncate as True.
@@ -131,20 +154,25 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     m["swiglu_limit"] = float(_get(hf, "swiglu_limit", default=7.0))
     alpha = hf.get("swiglu_alpha")
     if alpha is not None and float(alpha) != SWIGLU_ALPHA:
-        raise ValueError(f"HF config: swiglu_alpha={alpha} is not supported (the model uses "
-                         f"{SWIGLU_ALPHA})")
+        raise ValueError(
+            f"HF config: swiglu_alpha={alpha} is not supported (the model uses {SWIGLU_ALPHA})"
+        )
     if hf.get("tie_word_embeddings", False):
-        raise ValueError("HF config: tie_word_embeddings=true is not supported (GPT-OSS has a "
-                         "separate lm_head)")
+        raise ValueError(
+            "HF config: tie_word_embeddings=true is not supported (GPT-OSS has a separate lm_head)"
+        )
     if hf.get("attention_bias", True) is not True:
-        raise ValueError("HF config: attention_bias=false is not supported (the model has "
-                         "q/k/v/o biases)")
+        raise ValueError(
+            "HF config: attention_bias=false is not supported (the model has q/k/v/o biases)"
+        )
     qc = hf.get("quantization_config")
     if qc is not None:
         qm = qc.get("quant_method") if isinstance(qc, Mapping) else None
         if qm != "mxfp4":
-            raise ValueError(f"HF config: quantization_config.quant_method={qm!r} is not supported "
-                             "(only 'mxfp4')")
+            raise ValueError(
+                f"HF config: quantization_config.quant_method={qm!r} is not supported "
+                "(only 'mxfp4')"
+            )
     return {k: m[k] for k in ARCH_FIELDS}
 
 

@@ -16,40 +16,40 @@ from gpt_oss_train import sharding
 
 
 def token_logprobs(hidden_bsd, unembed_dv, targets_bs, *, chunk: int, dtype):
-  """log p(target | prefix) and log-sum-exp for every position, both [b, s] float32."""
-  b, s, d = hidden_bsd.shape
-  chunk = min(chunk, s)
-  pad = (-s) % chunk
-  if pad:
-    hidden_bsd = jnp.pad(hidden_bsd, ((0, 0), (0, pad), (0, 0)))
-    targets_bs = jnp.pad(targets_bs, ((0, 0), (0, pad)))
-  n = hidden_bsd.shape[1] // chunk
-  # [n, b, chunk, ...]: scan over chunks of positions; every chunk keeps the batch
-  # sharding, so no device waits on another's rows.
-  h = jnp.moveaxis(hidden_bsd.reshape(b, n, chunk, d), 1, 0)
-  t = jnp.moveaxis(targets_bs.reshape(b, n, chunk), 1, 0)
-  w = unembed_dv.astype(dtype)
+    """log p(target | prefix) and log-sum-exp for every position, both [b, s] float32."""
+    b, s, d = hidden_bsd.shape
+    chunk = min(chunk, s)
+    pad = (-s) % chunk
+    if pad:
+        hidden_bsd = jnp.pad(hidden_bsd, ((0, 0), (0, pad), (0, 0)))
+        targets_bs = jnp.pad(targets_bs, ((0, 0), (0, pad)))
+    n = hidden_bsd.shape[1] // chunk
+    # [n, b, chunk, ...]: scan over chunks of positions; every chunk keeps the batch
+    # sharding, so no device waits on another's rows.
+    h = jnp.moveaxis(hidden_bsd.reshape(b, n, chunk, d), 1, 0)
+    t = jnp.moveaxis(targets_bs.reshape(b, n, chunk), 1, 0)
+    w = unembed_dv.astype(dtype)
 
-  @jax.checkpoint
-  def one(carry, xs):
-    hc, tc = xs
-    logits = jnp.einsum("bcd,dv->bcv", hc.astype(dtype), w, preferred_element_type=jnp.float32)
-    logits = sharding.constrain(logits, ("batch", "length", "vocab"))
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-    return carry, (target_logit - lse, lse)
+    @jax.checkpoint
+    def one(carry, xs):
+        hc, tc = xs
+        logits = jnp.einsum("bcd,dv->bcv", hc.astype(dtype), w, preferred_element_type=jnp.float32)
+        logits = sharding.constrain(logits, ("batch", "length", "vocab"))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        return carry, (target_logit - lse, lse)
 
-  _, (logp, lse) = jax.lax.scan(one, None, (h, t))
-  logp = jnp.moveaxis(logp, 0, 1).reshape(b, n * chunk)[:, :s]
-  lse = jnp.moveaxis(lse, 0, 1).reshape(b, n * chunk)[:, :s]
-  return logp, lse
+    _, (logp, lse) = jax.lax.scan(one, None, (h, t))
+    logp = jnp.moveaxis(logp, 0, 1).reshape(b, n * chunk)[:, :s]
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, n * chunk)[:, :s]
+    return logp, lse
 
 
 def lm_loss_sums(hidden_bsd, unembed_dv, targets_bs, mask_bs, *, chunk: int, dtype):
-  """Sums over masked tokens: (negative log-likelihood, z-loss term lse^2, token count).
+    """Sums over masked tokens: (negative log-likelihood, z-loss term lse^2, token count).
 
-  Sums, not means, so microbatches of a gradient-accumulation step add up to exactly the
-  loss of the whole batch once divided by the total count."""
-  logp, lse = token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk=chunk, dtype=dtype)
-  m = mask_bs.astype(jnp.float32)
-  return -jnp.sum(logp * m), jnp.sum(jnp.square(lse) * m), jnp.sum(m)
+    Sums, not means, so microbatches of a gradient-accumulation step add up to exactly the
+    loss of the whole batch once divided by the total count."""
+    logp, lse = token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk=chunk, dtype=dtype)
+    m = mask_bs.astype(jnp.float32)
+    return -jnp.sum(logp * m), jnp.sum(jnp.square(lse) * m), jnp.sum(m)

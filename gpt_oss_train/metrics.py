@@ -32,7 +32,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 __all__ = [
     "PEAK_FLOPS",
@@ -259,11 +259,11 @@ def throughput_metrics(
 class StepTimer:
     """Wall time per step, blocking on the step's outputs; compile steps excluded.
 
-        timer = StepTimer()
-        for step in ...:
-            state, out = train_step(state, batch)
-            dt = timer.lap(out)      # seconds since the previous lap (or start)
-        timer.mean                   # mean over laps after the first ``skip``
+    timer = StepTimer()
+    for step in ...:
+        state, out = train_step(state, batch)
+        dt = timer.lap(out)      # seconds since the previous lap (or start)
+    timer.mean                   # mean over laps after the first ``skip``
     """
 
     def __init__(self, skip: int = 1):

@@ -15,7 +15,7 @@ constrained by logical names through `sharding.constrain`; no mesh axis is named
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,236 +32,273 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def _param(rngs: nnx.Rngs | None, init, shape, names, dtype) -> nnx.Param:
-  value = init(rngs.params() if rngs is not None else None, shape, dtype)
-  # eager_sharding=False: the logical names are mapped to the mesh by our own rules when
-  # the parameters are created under jit (see `ModelDef.init`), not by NNX.
-  return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+    value = init(rngs.params() if rngs is not None else None, shape, dtype)
+    # eager_sharding=False: the logical names are mapped to the mesh by our own rules when
+    # the parameters are created under jit (see `ModelDef.init`), not by NNX.
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 def _normal(std):
-  return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
+    return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
 
 
 def _zeros(key, shape, dtype):
-  return jnp.zeros(shape, dtype)
+    return jnp.zeros(shape, dtype)
 
 
 def _ones(key, shape, dtype):
-  return jnp.ones(shape, dtype)
+    return jnp.ones(shape, dtype)
 
 
 # ----------------------------------------------------------------------------- RoPE
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-  """YaRN "NTK-by-parts" inverse frequencies [head_dim/2] and the attention scaling that
-  multiplies cos and sin. Bounds are not rounded unless rope_truncate (gpt-oss: not)."""
-  dim = cfg.head_dim
-  base = cfg.rope_theta
-  factor = cfg.rope_scaling_factor
-  pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-  if factor <= 1.0:
-    return (1.0 / pos_freqs).astype(np.float32), 1.0
+    """YaRN "NTK-by-parts" inverse frequencies [head_dim/2] and the attention scaling that
+    multiplies cos and sin. Bounds are not rounded unless rope_truncate (gpt-oss: not)."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    factor = cfg.rope_scaling_factor
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if factor <= 1.0:
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
 
-  def correction_dim(rotations):
-    return (dim * math.log(cfg.rope_original_max_position / (rotations * 2 * math.pi))
-            / (2 * math.log(base)))
+    def correction_dim(rotations):
+        return (
+            dim
+            * math.log(cfg.rope_original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
-  low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
-  if cfg.rope_truncate:
-    low, high = math.floor(low), math.ceil(high)
-  low, high = max(low, 0), min(high, dim - 1)
-  if low == high:
-    high += 0.001
-  ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
-  extrapolation = 1.0 - ramp  # 1: keep the original frequency (fast dims), 0: interpolate
-  inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
-  return inv_freq.astype(np.float32), 0.1 * math.log(factor) + 1.0
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolation = 1.0 - ramp  # 1: keep the original frequency (fast dims), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), 0.1 * math.log(factor) + 1.0
 
 
 def rope_tables(cfg: ModelConfig, positions):
-  """cos, sin [b, s, head_dim/2] in float32 (angles in float32, as the reference)."""
-  inv_freq, scaling = rope_frequencies(cfg)
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  return jnp.cos(angles) * scaling, jnp.sin(angles) * scaling
+    """cos, sin [b, s, head_dim/2] in float32 (angles in float32, as the reference)."""
+    inv_freq, scaling = rope_frequencies(cfg)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles) * scaling, jnp.sin(angles) * scaling
 
 
 def apply_rope(x_bsnh, cos, sin):
-  """Rotate-half (NeoX) pairing: dims i and i + head_dim/2 rotate together."""
-  x = x_bsnh.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  c, s = cos[:, :, None, :], sin[:, :, None, :]
-  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_bsnh.dtype)
+    """Rotate-half (NeoX) pairing: dims i and i + head_dim/2 rotate together."""
+    x = x_bsnh.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x_bsnh.dtype)
 
 
 # ----------------------------------------------------------------------------- layers
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.eps = cfg.rms_norm_eps
-    self.scale = _param(rngs, _ones, (cfg.hidden_size,), (None,), DTYPES[cfg.param_dtype])
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.rms_norm_eps
+        self.scale = _param(rngs, _ones, (cfg.hidden_size,), (None,), DTYPES[cfg.param_dtype])
 
-  def __call__(self, x, dtype):
-    x = x.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...].astype(jnp.float32)).astype(dtype)
+    def __call__(self, x, dtype):
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(dtype)
 
 
 class KVCache(NamedTuple):
-  """One layer's cache. Slot i holds the key/value of position pos[b, i] (-1: empty).
-  A token at position p lives in slot p % slots: full layers have a slot per position,
-  banded layers a ring of at least `window` slots. With an int8 cache, k/v are int8 and
-  k_scale/v_scale hold one float32 scale per (slot, head)."""
-  k: jax.Array    # [b, slots, kv_heads, head_dim]
-  v: jax.Array    # [b, slots, kv_heads, head_dim]
-  pos: jax.Array  # [b, slots] int32
-  k_scale: jax.Array | None = None  # [b, slots, kv_heads, 1]
-  v_scale: jax.Array | None = None
+    """One layer's cache. Slot i holds the key/value of position pos[b, i] (-1: empty).
+    A token at position p lives in slot p % slots: full layers have a slot per position,
+    banded layers a ring of at least `window` slots. With an int8 cache, k/v are int8 and
+    k_scale/v_scale hold one float32 scale per (slot, head)."""
 
-  def keys_values(self, dtype):
-    if self.k_scale is None:
-      return self.k, self.v
-    return (quantize.dequantize_kv(self.k, self.k_scale, dtype),
-            quantize.dequantize_kv(self.v, self.v_scale, dtype))
+    k: jax.Array  # [b, slots, kv_heads, head_dim]
+    v: jax.Array  # [b, slots, kv_heads, head_dim]
+    pos: jax.Array  # [b, slots] int32
+    k_scale: jax.Array | None = None  # [b, slots, kv_heads, 1]
+    v_scale: jax.Array | None = None
+
+    def keys_values(self, dtype):
+        if self.k_scale is None:
+            return self.k, self.v
+        return (
+            quantize.dequantize_kv(self.k, self.k_scale, dtype),
+            quantize.dequantize_kv(self.v, self.v_scale, dtype),
+        )
 
 
 def _write_cache(cache: KVCache, k, v, positions) -> KVCache:
-  """Scatter new keys/values to slot = position % slots; positions < 0 are not written."""
-  slots = cache.pos.shape[1]
-  slot = jnp.where(positions >= 0, positions % slots, slots)  # out of range -> dropped
-  bidx = jnp.arange(k.shape[0])[:, None]
-  put = lambda buf, x: buf.at[bidx, slot].set(x.astype(buf.dtype), mode="drop")
-  pos = cache.pos.at[bidx, slot].set(positions.astype(jnp.int32), mode="drop")
-  if cache.k_scale is None:
-    return KVCache(put(cache.k, k), put(cache.v, v), pos)
-  (kq, ks), (vq, vs) = quantize.quantize_kv(k), quantize.quantize_kv(v)
-  return KVCache(put(cache.k, kq), put(cache.v, vq), pos, put(cache.k_scale, ks),
-                 put(cache.v_scale, vs))
+    """Scatter new keys/values to slot = position % slots; positions < 0 are not written."""
+    slots = cache.pos.shape[1]
+    slot = jnp.where(positions >= 0, positions % slots, slots)  # out of range -> dropped
+    bidx = jnp.arange(k.shape[0])[:, None]
+    put = lambda buf, x: buf.at[bidx, slot].set(x.astype(buf.dtype), mode="drop")
+    pos = cache.pos.at[bidx, slot].set(positions.astype(jnp.int32), mode="drop")
+    if cache.k_scale is None:
+        return KVCache(put(cache.k, k), put(cache.v, v), pos)
+    (kq, ks), (vq, vs) = quantize.quantize_kv(k), quantize.quantize_kv(v)
+    return KVCache(
+        put(cache.k, kq), put(cache.v, vq), pos, put(cache.k_scale, ks), put(cache.v_scale, vs)
+    )
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    pd, init = DTYPES[cfg.param_dtype], _normal(cfg.initializer_range)
-    self.cfg = cfg
-    self.q_kernel = _param(rngs, init, (d, n, h), ("embed", "heads", "head_dim"), pd)
-    self.q_bias = _param(rngs, _zeros, (n, h), ("heads", "head_dim"), pd)
-    self.k_kernel = _param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
-    self.k_bias = _param(rngs, _zeros, (kv, h), ("kv_heads", "head_dim"), pd)
-    self.v_kernel = _param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
-    self.v_bias = _param(rngs, _zeros, (kv, h), ("kv_heads", "head_dim"), pd)
-    self.o_kernel = _param(rngs, init, (n, h, d), ("heads", "head_dim", "embed"), pd)
-    self.o_bias = _param(rngs, _zeros, (d,), ("embed",), pd)
-    self.sinks = _param(rngs, init, (n,), ("heads",), pd)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        pd, init = DTYPES[cfg.param_dtype], _normal(cfg.initializer_range)
+        self.cfg = cfg
+        self.q_kernel = _param(rngs, init, (d, n, h), ("embed", "heads", "head_dim"), pd)
+        self.q_bias = _param(rngs, _zeros, (n, h), ("heads", "head_dim"), pd)
+        self.k_kernel = _param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.k_bias = _param(rngs, _zeros, (kv, h), ("kv_heads", "head_dim"), pd)
+        self.v_kernel = _param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_bias = _param(rngs, _zeros, (kv, h), ("kv_heads", "head_dim"), pd)
+        self.o_kernel = _param(rngs, init, (n, h, d), ("heads", "head_dim", "embed"), pd)
+        self.o_bias = _param(rngs, _zeros, (d,), ("embed",), pd)
+        self.sinks = _param(rngs, init, (n,), ("heads",), pd)
 
-  def __call__(self, x_bsd, rope, positions, segment_ids, window, cache: KVCache | None):
-    cfg = self.cfg
-    dt = DTYPES[cfg.dtype]
+    def __call__(self, x_bsd, rope, positions, segment_ids, window, cache: KVCache | None):
+        cfg = self.cfg
+        dt = DTYPES[cfg.dtype]
 
-    def proj(kernel, bias):
-      y = jnp.einsum("bsd,dnh->bsnh", x_bsd, kernel[...].astype(dt),
-                     preferred_element_type=jnp.float32)
-      return (y + bias[...].astype(jnp.float32)).astype(dt)
+        def proj(kernel, bias):
+            y = jnp.einsum(
+                "bsd,dnh->bsnh", x_bsd, kernel[...].astype(dt), preferred_element_type=jnp.float32
+            )
+            return (y + bias[...].astype(jnp.float32)).astype(dt)
 
-    q = apply_rope(proj(self.q_kernel, self.q_bias), *rope)
-    k = apply_rope(proj(self.k_kernel, self.k_bias), *rope)
-    v = proj(self.v_kernel, self.v_bias)
-    q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
-    k = sharding.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-    v = sharding.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q = apply_rope(proj(self.q_kernel, self.q_bias), *rope)
+        k = apply_rope(proj(self.k_kernel, self.k_bias), *rope)
+        v = proj(self.v_kernel, self.v_bias)
+        q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = sharding.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = sharding.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-    common = dict(window=window, impl=cfg.attention_impl, block=cfg.attention_block)
-    sinks = self.sinks[...]
-    if cache is None:
-      out = attn_lib.attention(q, k, v, sinks, q_pos=positions, k_pos=positions,
-                               q_seg=segment_ids, k_seg=segment_ids, self_attention=True,
-                               **common)
-      new_cache = None
-    elif window is None:
-      # Full layer: write first, then attend over every cached slot.
-      new_cache = _write_cache(cache, k, v, positions)
-      keys, vals = new_cache.keys_values(dt)
-      out = attn_lib.attention(q, keys, vals, sinks, q_pos=positions, k_pos=new_cache.pos,
-                               **common)
-    else:
-      # Banded layer (ring cache): attend over the ring as it was plus the new chunk, so a
-      # chunk longer than the gap to its oldest needed key still sees every key; then
-      # write the chunk (the ring has at least as many slots as the longest chunk).
-      ring_k, ring_v = cache.keys_values(dt)
-      keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
-      vals = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
-      kpos = jnp.concatenate([cache.pos, positions.astype(jnp.int32)], axis=1)
-      out = attn_lib.attention(q, keys, vals, sinks, q_pos=positions, k_pos=kpos, **common)
-      new_cache = _write_cache(cache, k, v, positions)
+        common = dict(window=window, impl=cfg.attention_impl, block=cfg.attention_block)
+        sinks = self.sinks[...]
+        if cache is None:
+            out = attn_lib.attention(
+                q,
+                k,
+                v,
+                sinks,
+                q_pos=positions,
+                k_pos=positions,
+                q_seg=segment_ids,
+                k_seg=segment_ids,
+                self_attention=True,
+                **common,
+            )
+            new_cache = None
+        elif window is None:
+            # Full layer: write first, then attend over every cached slot.
+            new_cache = _write_cache(cache, k, v, positions)
+            keys, vals = new_cache.keys_values(dt)
+            out = attn_lib.attention(
+                q, keys, vals, sinks, q_pos=positions, k_pos=new_cache.pos, **common
+            )
+        else:
+            # Banded layer (ring cache): attend over the ring as it was plus the new chunk, so a
+            # chunk longer than the gap to its oldest needed key still sees every key; then
+            # write the chunk (the ring has at least as many slots as the longest chunk).
+            ring_k, ring_v = cache.keys_values(dt)
+            keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
+            vals = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
+            kpos = jnp.concatenate([cache.pos, positions.astype(jnp.int32)], axis=1)
+            out = attn_lib.attention(q, keys, vals, sinks, q_pos=positions, k_pos=kpos, **common)
+            new_cache = _write_cache(cache, k, v, positions)
 
-    y = jnp.einsum("bsnh,nhd->bsd", out.astype(dt), self.o_kernel[...].astype(dt),
-                   preferred_element_type=jnp.float32)
-    y = y + self.o_bias[...].astype(jnp.float32)
-    return y.astype(dt), new_cache
+        y = jnp.einsum(
+            "bsnh,nhd->bsd",
+            out.astype(dt),
+            self.o_kernel[...].astype(dt),
+            preferred_element_type=jnp.float32,
+        )
+        y = y + self.o_bias[...].astype(jnp.float32)
+        return y.astype(dt), new_cache
 
 
 class MoE(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
-    pd, init = DTYPES[cfg.param_dtype], _normal(cfg.initializer_range)
-    self.cfg = cfg
-    self.router_kernel = _param(rngs, init, (d, e), ("embed", None), pd)
-    self.router_bias = _param(rngs, init, (e,), (None,), pd)
-    self.wi_gate = _param(rngs, init, (e, d, f), ("exp", "embed", "mlp"), pd)
-    self.bi_gate = _param(rngs, _zeros, (e, f), ("exp", "mlp"), pd)
-    self.wi_up = _param(rngs, init, (e, d, f), ("exp", "embed", "mlp"), pd)
-    self.bi_up = _param(rngs, _zeros, (e, f), ("exp", "mlp"), pd)
-    self.wo = _param(rngs, init, (e, f, d), ("exp", "mlp", "embed"), pd)
-    self.bo = _param(rngs, _zeros, (e, d), ("exp", "embed"), pd)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
+        pd, init = DTYPES[cfg.param_dtype], _normal(cfg.initializer_range)
+        self.cfg = cfg
+        self.router_kernel = _param(rngs, init, (d, e), ("embed", None), pd)
+        self.router_bias = _param(rngs, init, (e,), (None,), pd)
+        self.wi_gate = _param(rngs, init, (e, d, f), ("exp", "embed", "mlp"), pd)
+        self.bi_gate = _param(rngs, _zeros, (e, f), ("exp", "mlp"), pd)
+        self.wi_up = _param(rngs, init, (e, d, f), ("exp", "embed", "mlp"), pd)
+        self.bi_up = _param(rngs, _zeros, (e, f), ("exp", "mlp"), pd)
+        self.wo = _param(rngs, init, (e, f, d), ("exp", "mlp", "embed"), pd)
+        self.bo = _param(rngs, _zeros, (e, d), ("exp", "embed"), pd)
 
-  def __call__(self, x_bsd, valid_bs):
-    cfg = self.cfg
-    b, s, d = x_bsd.shape
-    x = x_bsd.reshape(b * s, d)
-    weights, idx, logits = moe_lib.route(x, self.router_kernel[...], self.router_bias[...],
-                                         cfg.experts_per_token)
-    aux = moe_lib.load_balancing_loss(logits, idx, valid_bs.reshape(-1))
-    w = moe_lib.ExpertWeights(self.wi_gate[...], self.bi_gate[...], self.wi_up[...],
-                              self.bi_up[...], self.wo[...], self.bo[...])
-    y = moe_lib.EXPERT_IMPLS[cfg.moe_impl](
-        x, weights, idx, w, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha,
-        dtype=DTYPES[cfg.dtype])
-    return y.reshape(b, s, d).astype(DTYPES[cfg.dtype]), aux
+    def __call__(self, x_bsd, valid_bs):
+        cfg = self.cfg
+        b, s, d = x_bsd.shape
+        x = x_bsd.reshape(b * s, d)
+        weights, idx, logits = moe_lib.route(
+            x, self.router_kernel[...], self.router_bias[...], cfg.experts_per_token
+        )
+        aux = moe_lib.load_balancing_loss(logits, idx, valid_bs.reshape(-1))
+        w = moe_lib.ExpertWeights(
+            self.wi_gate[...],
+            self.bi_gate[...],
+            self.wi_up[...],
+            self.bi_up[...],
+            self.wo[...],
+            self.bo[...],
+        )
+        y = moe_lib.EXPERT_IMPLS[cfg.moe_impl](
+            x,
+            weights,
+            idx,
+            w,
+            limit=cfg.swiglu_limit,
+            alpha=cfg.swiglu_alpha,
+            dtype=DTYPES[cfg.dtype],
+        )
+        return y.reshape(b, s, d).astype(DTYPES[cfg.dtype]), aux
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.attn_norm = RMSNorm(cfg, rngs=rngs)
-    self.attn = Attention(cfg, rngs=rngs)
-    self.mlp_norm = RMSNorm(cfg, rngs=rngs)
-    self.moe = MoE(cfg, rngs=rngs)
-    self.dtype = DTYPES[cfg.dtype]
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.moe = MoE(cfg, rngs=rngs)
+        self.dtype = DTYPES[cfg.dtype]
 
-  def __call__(self, x, rope, positions, segment_ids, valid, window, cache):
-    h, new_cache = self.attn(self.attn_norm(x, self.dtype), rope, positions, segment_ids,
-                             window, cache)
-    x = x + h
-    h, aux = self.moe(self.mlp_norm(x, self.dtype), valid)
-    x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
-    return x, aux, new_cache
+    def __call__(self, x, rope, positions, segment_ids, valid, window, cache):
+        h, new_cache = self.attn(
+            self.attn_norm(x, self.dtype), rope, positions, segment_ids, window, cache
+        )
+        x = x + h
+        h, aux = self.moe(self.mlp_norm(x, self.dtype), valid)
+        x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
+        return x, aux, new_cache
 
 
 class Block(nnx.Module):
-  """Two layers: `sliding` (banded to the last `sliding_window` keys), then `full`."""
+    """Two layers: `sliding` (banded to the last `sliding_window` keys), then `full`."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.window = cfg.sliding_window
-    self.sliding = DecoderLayer(cfg, rngs=rngs)
-    self.full = DecoderLayer(cfg, rngs=rngs)
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.window = cfg.sliding_window
+        self.sliding = DecoderLayer(cfg, rngs=rngs)
+        self.full = DecoderLayer(cfg, rngs=rngs)
 
-  def __call__(self, x, rope, positions, segment_ids, valid, cache):
-    cache = cache or {"sliding": None, "full": None}
-    x, aux1, c1 = self.sliding(x, rope, positions, segment_ids, valid, self.window,
-                               cache["sliding"])
-    x, aux2, c2 = self.full(x, rope, positions, segment_ids, valid, None, cache["full"])
-    new_cache = None if c1 is None else {"sliding": c1, "full": c2}
-    return x, aux1 + aux2, new_cache
+    def __call__(self, x, rope, positions, segment_ids, valid, cache):
+        cache = cache or {"sliding": None, "full": None}
+        x, aux1, c1 = self.sliding(
+            x, rope, positions, segment_ids, valid, self.window, cache["sliding"]
+        )
+        x, aux2, c2 = self.full(x, rope, positions, segment_ids, valid, None, cache["full"])
+        new_cache = None if c1 is None else {"sliding": c1, "full": c2}
+        return x, aux1 + aux2, new_cache
 
 
 REMAT_POLICIES = {
@@ -272,130 +309,156 @@ REMAT_POLICIES = {
 
 
 class Transformer(nnx.Module):
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    pd = DTYPES[cfg.param_dtype]
-    self.cfg = cfg
-    self.embed = nnx.Dict(embedding=_param(rngs, _normal(cfg.initializer_range),
-                                           (cfg.vocab_size, cfg.hidden_size),
-                                           ("vocab", "embed"), pd))
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.cfg = cfg
+        self.embed = nnx.Dict(
+            embedding=_param(
+                rngs,
+                _normal(cfg.initializer_range),
+                (cfg.vocab_size, cfg.hidden_size),
+                ("vocab", "embed"),
+                pd,
+            )
+        )
 
-    @nnx.split_rngs(splits=cfg.num_blocks)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make_blocks(rngs):
-      return Block(cfg, rngs=rngs)
+        @nnx.split_rngs(splits=cfg.num_blocks)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, rngs=rngs)
 
-    self.blocks = make_blocks(rngs)
-    self.final_norm = RMSNorm(cfg, rngs=rngs)
-    self.unembed = nnx.Dict(kernel=_param(rngs, _normal(cfg.initializer_range),
-                                          (cfg.hidden_size, cfg.vocab_size),
-                                          ("embed", "vocab"), pd))
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
+        self.unembed = nnx.Dict(
+            kernel=_param(
+                rngs,
+                _normal(cfg.initializer_range),
+                (cfg.hidden_size, cfg.vocab_size),
+                ("embed", "vocab"),
+                pd,
+            )
+        )
 
-  def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
-    """tokens [b, s] int -> (hidden [b, s, d] after the final norm, MoE aux loss (mean
-    over layers), new cache or None). Positions default to 0..s-1; segment_ids (0 =
-    padding) default to all ones. `cache`: per-block KV caches stacked on a leading
-    axis, {"sliding": KVCache, "full": KVCache}, as made by `generate.init_cache`."""
-    cfg = self.cfg
-    dt = DTYPES[cfg.dtype]
-    b, s = tokens.shape
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    if segment_ids is None:
-      segment_ids = jnp.ones((b, s), jnp.int32)
-    valid = (segment_ids > 0) & (positions >= 0)
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+        """tokens [b, s] int -> (hidden [b, s, d] after the final norm, MoE aux loss (mean
+        over layers), new cache or None). Positions default to 0..s-1; segment_ids (0 =
+        padding) default to all ones. `cache`: per-block KV caches stacked on a leading
+        axis, {"sliding": KVCache, "full": KVCache}, as made by `generate.init_cache`."""
+        cfg = self.cfg
+        dt = DTYPES[cfg.dtype]
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, s), jnp.int32)
+        valid = (segment_ids > 0) & (positions >= 0)
 
-    x = jnp.take(self.embed["embedding"][...], tokens, axis=0).astype(dt)
-    x = sharding.constrain(x, ("batch", "length", "act_embed"))
-    rope = rope_tables(cfg, positions)
+        x = jnp.take(self.embed["embedding"][...], tokens, axis=0).astype(dt)
+        x = sharding.constrain(x, ("batch", "length", "act_embed"))
+        rope = rope_tables(cfg, positions)
 
-    graphdef, block_params = nnx.split(self.blocks)
+        graphdef, block_params = nnx.split(self.blocks)
 
-    def body(x, xs):
-      params, layer_cache = xs
-      block = nnx.merge(graphdef, params)
-      x, aux, new_cache = block(x, rope, positions, segment_ids, valid, layer_cache)
-      return x, (aux, new_cache)
+        def body(x, xs):
+            params, layer_cache = xs
+            block = nnx.merge(graphdef, params)
+            x, aux, new_cache = block(x, rope, positions, segment_ids, valid, layer_cache)
+            return x, (aux, new_cache)
 
-    if cfg.remat_policy != "none":
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy],
-                            prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      x, (aux, new_cache) = jax.lax.scan(body, x, (block_params, cache))
-    else:
-      auxes, caches = [], []
-      for i in range(cfg.num_blocks):
-        x, (a, c) = body(x, jax.tree.map(lambda t: t[i], (block_params, cache)))
-        auxes.append(a)
-        caches.append(c)
-      aux = jnp.stack(auxes)
-      new_cache = None if cache is None else jax.tree.map(lambda *t: jnp.stack(t), *caches)
-    hidden = self.final_norm(x, dt)
-    return hidden, jnp.sum(aux) / cfg.num_layers, new_cache
+        if cfg.remat_policy != "none":
+            body = jax.checkpoint(
+                body, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers
+            )
+        if cfg.scan_layers:
+            x, (aux, new_cache) = jax.lax.scan(body, x, (block_params, cache))
+        else:
+            auxes, caches = [], []
+            for i in range(cfg.num_blocks):
+                x, (a, c) = body(x, jax.tree.map(lambda t: t[i], (block_params, cache)))
+                auxes.append(a)
+                caches.append(c)
+            aux = jnp.stack(auxes)
+            new_cache = None if cache is None else jax.tree.map(lambda *t: jnp.stack(t), *caches)
+        hidden = self.final_norm(x, dt)
+        return hidden, jnp.sum(aux) / cfg.num_layers, new_cache
 
-  def logits(self, hidden_bsd):
-    """Float32 logits for (a slice of) hidden states; training uses loss.py instead, which
-    never holds [tokens, vocab] logits for the whole batch."""
-    dt = DTYPES[self.cfg.dtype]
-    return jnp.einsum("bsd,dv->bsv", hidden_bsd.astype(dt),
-                      self.unembed["kernel"][...].astype(dt),
-                      preferred_element_type=jnp.float32)
+    def logits(self, hidden_bsd):
+        """Float32 logits for (a slice of) hidden states; training uses loss.py instead, which
+        never holds [tokens, vocab] logits for the whole batch."""
+        dt = DTYPES[self.cfg.dtype]
+        return jnp.einsum(
+            "bsd,dv->bsv",
+            hidden_bsd.astype(dt),
+            self.unembed["kernel"][...].astype(dt),
+            preferred_element_type=jnp.float32,
+        )
 
 
 # ----------------------------------------------------------------------------- functional
 
 
 class ModelDef:
-  """The model as a graph definition plus an abstract state: turns a nested dict of
-  arrays (the param tree training, checkpoints and hf.py all use) into a Transformer,
-  and creates that tree already sharded."""
+    """The model as a graph definition plus an abstract state: turns a nested dict of
+    arrays (the param tree training, checkpoints and hf.py all use) into a Transformer,
+    and creates that tree already sharded."""
 
-  def __init__(self, cfg: ModelConfig):
-    self.cfg = cfg
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    self.graphdef, self._abstract_state = nnx.split(abstract)
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, self._abstract_state = nnx.split(abstract)
 
-  def bind(self, params: dict) -> Transformer:
-    state = jax.tree.map(lambda v: v, self._abstract_state,
-                         is_leaf=lambda x: isinstance(x, nnx.Variable))
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(self.graphdef, state)
+    def bind(self, params: dict) -> Transformer:
+        state = jax.tree.map(
+            lambda v: v, self._abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
 
-  def logical_axes(self) -> dict:
-    """Nested dict of logical-name tuples, one per parameter."""
-    names = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]),
-                         self._abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return _to_pure(names)
+    def logical_axes(self) -> dict:
+        """Nested dict of logical-name tuples, one per parameter."""
+        names = jax.tree.map(
+            lambda v: tuple(v.get_metadata()["out_sharding"]),
+            self._abstract_state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+        return _to_pure(names)
 
-  def shapes(self) -> dict:
-    """Nested dict of jax.ShapeDtypeStruct (no sharding)."""
-    return self._abstract_state.to_pure_dict()
+    def shapes(self) -> dict:
+        """Nested dict of jax.ShapeDtypeStruct (no sharding)."""
+        return self._abstract_state.to_pure_dict()
 
-  def shardings(self, mesh, rules) -> dict:
-    return jax.tree.map(lambda names, a: sharding.named_sharding(mesh, rules, names, a.shape),
-                        self.logical_axes(), self.shapes(),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    def shardings(self, mesh, rules) -> dict:
+        return jax.tree.map(
+            lambda names, a: sharding.named_sharding(mesh, rules, names, a.shape),
+            self.logical_axes(),
+            self.shapes(),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
 
-  def abstract_params(self, mesh=None, rules=None) -> dict:
-    if mesh is None:
-      return self.shapes()
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        self.shapes(), self.shardings(mesh, rules))
+    def abstract_params(self, mesh=None, rules=None) -> dict:
+        if mesh is None:
+            return self.shapes()
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.shapes(),
+            self.shardings(mesh, rules),
+        )
 
-  def init(self, seed: int, mesh=None, rules=None) -> dict:
-    """Random parameters, created under jit straight into their shardings (no host copy
-    of the full model)."""
-    cfg = self.cfg
+    def init(self, seed: int, mesh=None, rules=None) -> dict:
+        """Random parameters, created under jit straight into their shardings (no host copy
+        of the full model)."""
+        cfg = self.cfg
 
-    def make():
-      return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
+        def make():
+            return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
 
-    if mesh is None:
-      return jax.jit(make)()
-    with sharding.use_mesh(mesh, rules):
-      return jax.jit(make, out_shardings=self.shardings(mesh, rules))()
+        if mesh is None:
+            return jax.jit(make)()
+        with sharding.use_mesh(mesh, rules):
+            return jax.jit(make, out_shardings=self.shardings(mesh, rules))()
 
 
 def _to_pure(state) -> dict:
-  if hasattr(state, "items"):
-    return {k: _to_pure(v) for k, v in state.items()}
-  return state
+    if hasattr(state, "items"):
+        return {k: _to_pure(v) for k, v in state.items()}
+    return state

@@ -23,98 +23,98 @@ Back-ends (config.moe_impl), all exact, differing in cost and sharding:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train import sharding
 
 
 class ExpertWeights(NamedTuple):
-  wi_gate: jax.Array  # [E, D, F]
-  bi_gate: jax.Array  # [E, F]
-  wi_up: jax.Array    # [E, D, F]
-  bi_up: jax.Array    # [E, F]
-  wo: jax.Array       # [E, F, D]
-  bo: jax.Array       # [E, D]
+    wi_gate: jax.Array  # [E, D, F]
+    bi_gate: jax.Array  # [E, F]
+    wi_up: jax.Array  # [E, D, F]
+    bi_up: jax.Array  # [E, F]
+    wo: jax.Array  # [E, F, D]
+    bo: jax.Array  # [E, D]
 
 
 def route(x_td, kernel, bias, k: int):
-  """Top-k routing in float32. Returns (weights [T,k] f32, experts [T,k] i32, logits)."""
-  logits = jnp.dot(x_td.astype(jnp.float32), kernel.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST) + bias.astype(jnp.float32)
-  top_logits, top_idx = jax.lax.top_k(logits, k)
-  return jax.nn.softmax(top_logits, axis=-1), top_idx.astype(jnp.int32), logits
+    """Top-k routing in float32. Returns (weights [T,k] f32, experts [T,k] i32, logits)."""
+    logits = jnp.dot(
+        x_td.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    ) + bias.astype(jnp.float32)
+    top_logits, top_idx = jax.lax.top_k(logits, k)
+    return jax.nn.softmax(top_logits, axis=-1), top_idx.astype(jnp.int32), logits
 
 
 def load_balancing_loss(logits_te, top_idx_tk, valid_t):
-  """Switch-style auxiliary loss, E * sum_e f_e * p_e, over valid (non-padding) tokens:
-  f_e = share of top-k assignments that went to expert e (sums to k), p_e = mean router
-  probability of e. Equals k when routing is perfectly balanced."""
-  num_experts = logits_te.shape[-1]
-  valid = valid_t.astype(jnp.float32)
-  n = jnp.maximum(jnp.sum(valid), 1.0)
-  assigned = jnp.sum(jax.nn.one_hot(top_idx_tk, num_experts, dtype=jnp.float32), axis=1)
-  f = jnp.sum(assigned * valid[:, None], axis=0) / n
-  p = jnp.sum(jax.nn.softmax(logits_te, axis=-1) * valid[:, None], axis=0) / n
-  return num_experts * jnp.sum(f * p)
+    """Switch-style auxiliary loss, E * sum_e f_e * p_e, over valid (non-padding) tokens:
+    f_e = share of top-k assignments that went to expert e (sums to k), p_e = mean router
+    probability of e. Equals k when routing is perfectly balanced."""
+    num_experts = logits_te.shape[-1]
+    valid = valid_t.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(valid), 1.0)
+    assigned = jnp.sum(jax.nn.one_hot(top_idx_tk, num_experts, dtype=jnp.float32), axis=1)
+    f = jnp.sum(assigned * valid[:, None], axis=0) / n
+    p = jnp.sum(jax.nn.softmax(logits_te, axis=-1) * valid[:, None], axis=0) / n
+    return num_experts * jnp.sum(f * p)
 
 
 def _glu(gate, up, limit: float, alpha: float):
-  gate = jnp.minimum(gate, limit)
-  up = jnp.clip(up, -limit, limit)
-  return gate * jax.nn.sigmoid(alpha * gate) * (up + 1.0)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + 1.0)
 
 
 def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-  """Reference: all experts on all tokens, combined with a [T, E] routing matrix."""
-  t = x_td.shape[0]
-  num_experts = w.wi_gate.shape[0]
-  x = x_td.astype(dtype)
-  f32 = jnp.float32
-  gate = jnp.einsum("td,edf->tef", x, w.wi_gate.astype(dtype), preferred_element_type=f32)
-  up = jnp.einsum("td,edf->tef", x, w.wi_up.astype(dtype), preferred_element_type=f32)
-  act = _glu(gate + w.bi_gate.astype(f32), up + w.bi_up.astype(f32), limit, alpha)
-  y = jnp.einsum("tef,efd->ted", act.astype(dtype), w.wo.astype(dtype),
-                 preferred_element_type=f32) + w.bo.astype(f32)
-  combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(weights_tk)
-  return jnp.einsum("te,ted->td", combine, y)
+    """Reference: all experts on all tokens, combined with a [T, E] routing matrix."""
+    t = x_td.shape[0]
+    num_experts = w.wi_gate.shape[0]
+    x = x_td.astype(dtype)
+    f32 = jnp.float32
+    gate = jnp.einsum("td,edf->tef", x, w.wi_gate.astype(dtype), preferred_element_type=f32)
+    up = jnp.einsum("td,edf->tef", x, w.wi_up.astype(dtype), preferred_element_type=f32)
+    act = _glu(gate + w.bi_gate.astype(f32), up + w.bi_up.astype(f32), limit, alpha)
+    y = jnp.einsum(
+        "tef,efd->ted", act.astype(dtype), w.wo.astype(dtype), preferred_element_type=f32
+    ) + w.bo.astype(f32)
+    combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(weights_tk)
+    return jnp.einsum("te,ted->td", combine, y)
 
 
-def _grouped_ffn(x_rd, expert_r, group_sizes, w: ExpertWeights, *, limit, alpha, dtype,
-                 add_out_bias=True):
-  """Rows already sorted by expert; group_sizes[e] rows belong to expert e. Rows past
-  sum(group_sizes) (if any) come out as zeros."""
-  f32 = jnp.float32
-  x = x_rd.astype(dtype)
-  gate = grouped_matmul(x, w.wi_gate.astype(dtype), group_sizes)
-  up = grouped_matmul(x, w.wi_up.astype(dtype), group_sizes)
-  e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
-  act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
-  y = grouped_matmul(act.astype(dtype), w.wo.astype(dtype), group_sizes)
-  if add_out_bias:
-    y = y + w.bo.astype(f32)[e]
-  return y
+def _grouped_ffn(
+    x_rd, expert_r, group_sizes, w: ExpertWeights, *, limit, alpha, dtype, add_out_bias=True
+):
+    """Rows already sorted by expert; group_sizes[e] rows belong to expert e. Rows past
+    sum(group_sizes) (if any) come out as zeros."""
+    f32 = jnp.float32
+    x = x_rd.astype(dtype)
+    gate = grouped_matmul(x, w.wi_gate.astype(dtype), group_sizes)
+    up = grouped_matmul(x, w.wi_up.astype(dtype), group_sizes)
+    e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
+    act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
+    y = grouped_matmul(act.astype(dtype), w.wo.astype(dtype), group_sizes)
+    if add_out_bias:
+        y = y + w.bo.astype(f32)[e]
+    return y
 
 
 def gathered_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-  """Decode-sized batches (tokens x k <= experts / 4): gather each (token, choice)'s expert
-  weights and multiply directly. Reads only the k chosen experts per token, which is
-  what bounds a decode step, where grouped matmuls would touch every expert."""
-  f32 = jnp.float32
-  x = x_td.astype(dtype)
-  pick = lambda a: a[idx_tk].astype(dtype)            # [t, k, ...]; int8 stays int8
-  gate = jnp.einsum("td,tkdf->tkf", x, pick(w.wi_gate), preferred_element_type=f32)
-  up = jnp.einsum("td,tkdf->tkf", x, pick(w.wi_up), preferred_element_type=f32)
-  act = _glu(gate + w.bi_gate.astype(f32)[idx_tk], up + w.bi_up.astype(f32)[idx_tk],
-             limit, alpha)
-  y = jnp.einsum("tkf,tkfd->tkd", act.astype(dtype), pick(w.wo), preferred_element_type=f32)
-  y = y + w.bo.astype(f32)[idx_tk]
-  return jnp.einsum("tk,tkd->td", weights_tk, y)
+    """Decode-sized batches (tokens x k <= experts / 4): gather each (token, choice)'s expert
+    weights and multiply directly. Reads only the k chosen experts per token, which is
+    what bounds a decode step, where grouped matmuls would touch every expert."""
+    f32 = jnp.float32
+    x = x_td.astype(dtype)
+    pick = lambda a: a[idx_tk].astype(dtype)  # [t, k, ...]; int8 stays int8
+    gate = jnp.einsum("td,tkdf->tkf", x, pick(w.wi_gate), preferred_element_type=f32)
+    up = jnp.einsum("td,tkdf->tkf", x, pick(w.wi_up), preferred_element_type=f32)
+    act = _glu(gate + w.bi_gate.astype(f32)[idx_tk], up + w.bi_up.astype(f32)[idx_tk], limit, alpha)
+    y = jnp.einsum("tkf,tkfd->tkd", act.astype(dtype), pick(w.wo), preferred_element_type=f32)
+    y = y + w.bo.astype(f32)[idx_tk]
+    return jnp.einsum("tk,tkd->td", weights_tk, y)
 
 
 # ----------------------------------------------------------------------------- grouped matmul
@@ -132,147 +132,181 @@ _BLOCK_K = 64
 
 
 def _mgpu_tiles(k: int, n: int) -> dict | None:
-  for block_n in (192, 128, 64):
-    if n % block_n == 0 and k % _BLOCK_K == 0:
-      return dict(block_m=128, block_n=block_n, block_k=_BLOCK_K, max_concurrent_steps=3,
-                  grid_block_n=1)
-  return None
+    for block_n in (192, 128, 64):
+        if n % block_n == 0 and k % _BLOCK_K == 0:
+            return dict(
+                block_m=128,
+                block_n=block_n,
+                block_k=_BLOCK_K,
+                max_concurrent_steps=3,
+                grid_block_n=1,
+            )
+    return None
 
 
 def _use_mgpu(x, w) -> bool:
-  if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-    return False
-  dev = jax.devices()[0]
-  if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
-    return False
-  k, n = w.shape[1], w.shape[2]
-  return _mgpu_tiles(k, n) is not None and _mgpu_tiles(n, k) is not None and k % 64 == 0
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        return False
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
+        return False
+    k, n = w.shape[1], w.shape[2]
+    return _mgpu_tiles(k, n) is not None and _mgpu_tiles(n, k) is not None and k % 64 == 0
 
 
 @jax.custom_vjp
 def _mgpu_grouped_matmul(x, w, group_sizes):
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes,
-                                    **_mgpu_tiles(w.shape[1], w.shape[2]))
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=group_sizes, **_mgpu_tiles(w.shape[1], w.shape[2])
+    )
 
 
 def _mgpu_fwd(x, w, group_sizes):
-  return _mgpu_grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
+    return _mgpu_grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
 
 
 def _mgpu_bwd(res, dy):
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-  x, w, group_sizes = res
-  dy = dy.astype(x.dtype)
-  dx = ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
-                                  **_mgpu_tiles(w.shape[2], w.shape[1]))
-  k, n = w.shape[1], w.shape[2]
-  dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-      x, dy, group_sizes=group_sizes, block_m=64, block_n=_mgpu_tiles(k, n)["block_n"],
-      block_k=_BLOCK_K, max_concurrent_steps=3, grid_block_n=1)
-  return dx, dw.astype(w.dtype), None
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    dx = ragged_dot_mgpu.ragged_dot(
+        dy, w, group_sizes=group_sizes, transpose_rhs=True, **_mgpu_tiles(w.shape[2], w.shape[1])
+    )
+    k, n = w.shape[1], w.shape[2]
+    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        x,
+        dy,
+        group_sizes=group_sizes,
+        block_m=64,
+        block_n=_mgpu_tiles(k, n)["block_n"],
+        block_k=_BLOCK_K,
+        max_concurrent_steps=3,
+        grid_block_n=1,
+    )
+    return dx, dw.astype(w.dtype), None
 
 
 _mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
 def grouped_matmul(x, w, group_sizes):
-  """[M, K] x [G, K, N] -> float32 [M, N]; rows grouped contiguously by group_sizes."""
-  if _use_mgpu(x, w):
-    return _mgpu_grouped_matmul(x, w, group_sizes).astype(jnp.float32)
-  return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    """[M, K] x [G, K, N] -> float32 [M, N]; rows grouped contiguously by group_sizes."""
+    if _use_mgpu(x, w):
+        return _mgpu_grouped_matmul(x, w, group_sizes).astype(jnp.float32)
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
 def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-  """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum.
-  Decode-sized batches (t*k <= experts/4) take the gathered path instead: gathering
-  copies each chosen expert, so it only pays while few experts are chosen in total
-  (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms at batch 8 where grouped
-  matmuls read each expert once)."""
-  t, k = idx_tk.shape
-  num_experts = w.wi_gate.shape[0]
-  if 4 * t * k <= num_experts:
-    return gathered_ffn(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
-  flat = idx_tk.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  y = _grouped_ffn(x_td[order // k], flat[order], group_sizes, w, limit=limit, alpha=alpha,
-                   dtype=dtype)
-  y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
-  return jnp.einsum("tk,tkd->td", weights_tk, y)
+    """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum.
+    Decode-sized batches (t*k <= experts/4) take the gathered path instead: gathering
+    copies each chosen expert, so it only pays while few experts are chosen in total
+    (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms at batch 8 where grouped
+    matmuls read each expert once)."""
+    t, k = idx_tk.shape
+    num_experts = w.wi_gate.shape[0]
+    if 4 * t * k <= num_experts:
+        return gathered_ffn(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
+    flat = idx_tk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    y = _grouped_ffn(
+        x_td[order // k], flat[order], group_sizes, w, limit=limit, alpha=alpha, dtype=dtype
+    )
+    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
+    return jnp.einsum("tk,tkd->td", weights_tk, y)
 
 
 def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-  """Expert parallelism under shard_map (see module docstring). Falls back to `ragged`
-  without an active mesh."""
-  ctx = sharding.active()
-  if ctx is None:
-    return ragged_experts(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
-  mesh, rules = ctx
-  spec = lambda *names: sharding.logical_to_spec(names, rules)
-  # Decode batches may not divide the batch shards: keep only the axes that divide.
-  tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)
-  exp_spec = spec("exp", None, "mlp")
-  exp_axes = _axes(exp_spec[0])
-  mlp_axes = _axes(exp_spec[2])
-  tok_axes = _axes(tok[0])
-  # Tokens are gathered over the axes that shard experts (each device then sees every
-  # token its experts may receive) and stay sharded over the rest of the batch axes.
-  gather_axes = tuple(a for a in tok_axes if a in exp_axes)
-  num_experts = w.wi_gate.shape[0]
-  n_exp_shards = math.prod(mesh.shape[a] for a in exp_axes)
-  local_e = num_experts // n_exp_shards
-  if num_experts % n_exp_shards:
-    raise ValueError(f"num_experts={num_experts} is not divisible by the {n_exp_shards} "
-                     f"devices of mesh axes {exp_axes} that shard experts")
-  w_specs = ExpertWeights(wi_gate=spec("exp", None, "mlp"), bi_gate=spec("exp", "mlp"),
-                          wi_up=spec("exp", None, "mlp"), bi_up=spec("exp", "mlp"),
-                          wo=spec("exp", "mlp", None), bo=spec("exp", None))
+    """Expert parallelism under shard_map (see module docstring). Falls back to `ragged`
+    without an active mesh."""
+    ctx = sharding.active()
+    if ctx is None:
+        return ragged_experts(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
+    mesh, rules = ctx
+    spec = lambda *names: sharding.logical_to_spec(names, rules)
+    # Decode batches may not divide the batch shards: keep only the axes that divide.
+    tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)
+    exp_spec = spec("exp", None, "mlp")
+    exp_axes = _axes(exp_spec[0])
+    mlp_axes = _axes(exp_spec[2])
+    tok_axes = _axes(tok[0])
+    # Tokens are gathered over the axes that shard experts (each device then sees every
+    # token its experts may receive) and stay sharded over the rest of the batch axes.
+    gather_axes = tuple(a for a in tok_axes if a in exp_axes)
+    num_experts = w.wi_gate.shape[0]
+    n_exp_shards = math.prod(mesh.shape[a] for a in exp_axes)
+    local_e = num_experts // n_exp_shards
+    if num_experts % n_exp_shards:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the {n_exp_shards} "
+            f"devices of mesh axes {exp_axes} that shard experts"
+        )
+    w_specs = ExpertWeights(
+        wi_gate=spec("exp", None, "mlp"),
+        bi_gate=spec("exp", "mlp"),
+        wi_up=spec("exp", None, "mlp"),
+        bi_up=spec("exp", "mlp"),
+        wo=spec("exp", "mlp", None),
+        bo=spec("exp", None),
+    )
 
-  def local(x, wts, idx, lw):
-    for ax in gather_axes:
-      x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
-    t, k = idx.shape
-    shard = _flat_index(exp_axes)
-    first = shard * local_e
-    flat = idx.reshape(-1) - first
-    mine = (flat >= 0) & (flat < local_e)
-    key = jnp.where(mine, flat, local_e)          # not-mine rows sort to the end
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
-    # The output bias is added by one tensor shard only, so the psum adds it once.
-    add_bias = _flat_index(mlp_axes) == 0
-    y = _grouped_ffn(x[order // k], key[order], group_sizes, lw, limit=limit, alpha=alpha,
-                     dtype=dtype, add_out_bias=False)
-    y = y + jnp.where(add_bias, lw.bo.astype(jnp.float32)[jnp.clip(key[order], 0, local_e - 1)],
-                      0.0)
-    y = jnp.where(mine[order][:, None], y, 0.0)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
-    out = jnp.einsum("tk,tkd->td", wts, y)
-    if mlp_axes:
-      out = jax.lax.psum(out, mlp_axes)
-    for ax in reversed(gather_axes):
-      out = jax.lax.psum_scatter(out, ax, scatter_dimension=0, tiled=True)
-    others = tuple(a for a in exp_axes if a not in gather_axes)
-    if others:  # experts sharded over an axis that does not shard tokens
-      out = jax.lax.psum(out, others)
-    return out
+    def local(x, wts, idx, lw):
+        for ax in gather_axes:
+            x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
+        t, k = idx.shape
+        shard = _flat_index(exp_axes)
+        first = shard * local_e
+        flat = idx.reshape(-1) - first
+        mine = (flat >= 0) & (flat < local_e)
+        key = jnp.where(mine, flat, local_e)  # not-mine rows sort to the end
+        order = jnp.argsort(key, stable=True)
+        group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
+        # The output bias is added by one tensor shard only, so the psum adds it once.
+        add_bias = _flat_index(mlp_axes) == 0
+        y = _grouped_ffn(
+            x[order // k],
+            key[order],
+            group_sizes,
+            lw,
+            limit=limit,
+            alpha=alpha,
+            dtype=dtype,
+            add_out_bias=False,
+        )
+        y = y + jnp.where(
+            add_bias, lw.bo.astype(jnp.float32)[jnp.clip(key[order], 0, local_e - 1)], 0.0
+        )
+        y = jnp.where(mine[order][:, None], y, 0.0)
+        y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
+        out = jnp.einsum("tk,tkd->td", wts, y)
+        if mlp_axes:
+            out = jax.lax.psum(out, mlp_axes)
+        for ax in reversed(gather_axes):
+            out = jax.lax.psum_scatter(out, ax, scatter_dimension=0, tiled=True)
+        others = tuple(a for a in exp_axes if a not in gather_axes)
+        if others:  # experts sharded over an axis that does not shard tokens
+            out = jax.lax.psum(out, others)
+        return out
 
-  fn = jax.shard_map(local, mesh=mesh,
-                     in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False)
-  return fn(x_td, weights_tk, idx_tk, w)
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False
+    )
+    return fn(x_td, weights_tk, idx_tk, w)
 
 
 def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _flat_index(axes: tuple[str, ...]):
-  """This device's index along the product of `axes` (major to minor)."""
-  idx = 0
-  for ax in axes:
-    idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
-  return idx
+    """This device's index along the product of `axes` (major to minor)."""
+    idx = 0
+    for ax in axes:
+        idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
+    return idx
 
 
 EXPERT_IMPLS = {"dense": dense_experts, "ragged": ragged_experts, "sharded": sharded_experts}

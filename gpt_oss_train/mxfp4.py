@@ -22,8 +22,26 @@ __all__ = ["FP4_VALUES", "dequantize_mxfp4", "quantize_mxfp4"]
 
 # E2M1 (FP4) code -> value: bit 3 sign, bits 2-1 exponent, bit 0 mantissa.
 FP4_VALUES = np.array(
-    [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+    [
+        +0.0,
+        +0.5,
+        +1.0,
+        +1.5,
+        +2.0,
+        +3.0,
+        +4.0,
+        +6.0,
+        -0.0,
+        -0.5,
+        -1.0,
+        -1.5,
+        -2.0,
+        -3.0,
+        -4.0,
+        -6.0,
+    ],
+    dtype=np.float32,
+)
 
 # Byte -> its two values: [b, 0] = low nibble (element 2i), [b, 1] = high nibble (2i+1).
 _FP4_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], -1)
@@ -54,8 +72,10 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise ValueError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.ndim < 3 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} / scales {scales.shape}: expected "
-                         "blocks [..., out, nblk, 16] and scales [..., out, nblk]")
+        raise ValueError(
+            f"MXFP4 blocks {blocks.shape} / scales {scales.shape}: expected "
+            "blocks [..., out, nblk, 16] and scales [..., out, nblk]"
+        )
     *lead, o, g, _ = blocks.shape
     out = np.empty((*lead, g * 32, o), np.float32)
     n = math.prod(lead)
@@ -87,9 +107,9 @@ def _quant_rows(w_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     y = np.abs(x) / np.ldexp(1.0, (s - 127))[..., None]
     code = np.zeros(y.shape, np.uint8)
     for m in _MID_DOWN:
-        code += (y > m)
+        code += y > m
     for m in _MID_UP:
-        code += (y >= m)
+        code += y >= m
     code |= np.signbit(x).astype(np.uint8) << 3
     code = code.reshape(o, i // 32, 16, 2)
     blocks = (code[..., 0] | (code[..., 1] << 4)).astype(np.uint8)
@@ -105,7 +125,9 @@ def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     w = np.asarray(w)
     if w.ndim < 2 or w.shape[-2] % 32:
-        raise ValueError(f"quantize_mxfp4: expected [..., in, out] with in % 32 == 0, got {w.shape}")
+        raise ValueError(
+            f"quantize_mxfp4: expected [..., in, out] with in % 32 == 0, got {w.shape}"
+        )
     *lead, i, o = w.shape
     n = math.prod(lead)
     w2 = w.reshape(n, i, o)

@@ -20,71 +20,78 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QArray:
-  q: jax.Array       # int8, the weight's shape
-  scale: jax.Array   # float32, the weight's shape with contraction axes of size 1
+    q: jax.Array  # int8, the weight's shape
+    scale: jax.Array  # float32, the weight's shape with contraction axes of size 1
 
-  @property
-  def shape(self):
-    return self.q.shape
+    @property
+    def shape(self):
+        return self.q.shape
 
-  @property
-  def dtype(self):
-    return self.scale.dtype
+    @property
+    def dtype(self):
+        return self.scale.dtype
 
-  @property
-  def ndim(self):
-    return self.q.ndim
+    @property
+    def ndim(self):
+        return self.q.ndim
 
-  def __getitem__(self, index):
-    if index is Ellipsis:
-      return self
-    # Slicing whole leading axes (e.g. one layer of a stacked weight) keeps it quantized.
-    return QArray(self.q[index], self.scale[index])
+    def __getitem__(self, index):
+        if index is Ellipsis:
+            return self
+        # Slicing whole leading axes (e.g. one layer of a stacked weight) keeps it quantized.
+        return QArray(self.q[index], self.scale[index])
 
-  def astype(self, dtype):
-    return self.q.astype(dtype) * self.scale.astype(dtype)
+    def astype(self, dtype):
+        return self.q.astype(dtype) * self.scale.astype(dtype)
 
 
 def quantize_int8(w: jax.Array, contraction_axes: tuple[int, ...]) -> QArray:
-  w = w.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(w), axis=contraction_axes, keepdims=True)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-  return QArray(q, scale)
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=contraction_axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return QArray(q, scale)
 
 
 # Which parameters are quantized, and over which axes each one contracts (in the stacked
 # [num_blocks, ...] layout). Embedding (a gather), norms, biases, sinks and the router
 # (whose top-k must match the float model's) stay as they are.
 CONTRACTION_AXES = {
-    "q_kernel": (1,), "k_kernel": (1,), "v_kernel": (1,), "o_kernel": (1, 2),
-    "wi_gate": (2,), "wi_up": (2,), "wo": (2,),
+    "q_kernel": (1,),
+    "k_kernel": (1,),
+    "v_kernel": (1,),
+    "o_kernel": (1, 2),
+    "wi_gate": (2,),
+    "wi_up": (2,),
+    "wo": (2,),
 }
 
 
 def quantize_params(params: dict) -> dict:
-  """The parameter tree with matmul weights replaced by QArrays (jit-able)."""
-  def walk(tree, path):
-    out = {}
-    for k, v in tree.items():
-      if isinstance(v, dict):
-        out[k] = walk(v, path + (k,))
-      elif path[:1] == ("blocks",) and k in CONTRACTION_AXES:
-        out[k] = quantize_int8(v, CONTRACTION_AXES[k])
-      elif path == ("unembed",) and k == "kernel":
-        out[k] = quantize_int8(v, (0,))
-      else:
-        out[k] = v
-    return out
-  return walk(params, ())
+    """The parameter tree with matmul weights replaced by QArrays (jit-able)."""
+
+    def walk(tree, path):
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out[k] = walk(v, path + (k,))
+            elif path[:1] == ("blocks",) and k in CONTRACTION_AXES:
+                out[k] = quantize_int8(v, CONTRACTION_AXES[k])
+            elif path == ("unembed",) and k == "kernel":
+                out[k] = quantize_int8(v, (0,))
+            else:
+                out[k] = v
+        return out
+
+    return walk(params, ())
 
 
 def quantize_kv(x):
-  """[..., head_dim] -> (int8 values, float32 scale [..., 1]) per token and head."""
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+    """[..., head_dim] -> (int8 values, float32 scale [..., 1]) per token and head."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
 
 
 def dequantize_kv(q, scale, dtype):
-  return q.astype(dtype) * scale.astype(dtype)
+    return q.astype(dtype) * scale.astype(dtype)

@@ -23,11 +23,21 @@ __all__ = ["ST_DTYPES", "FLOAT_DTYPES", "TensorInfo", "read_header", "write_safe
 
 # safetensors dtype names.
 ST_DTYPES = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
-    "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "I32": np.dtype("<i4"), "U32": np.dtype("<u4"),
-    "I64": np.dtype("<i8"), "U64": np.dtype("<u8"), "BOOL": np.dtype("?"),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "U8": np.dtype("u1"),
+    "I8": np.dtype("i1"),
+    "I16": np.dtype("<i2"),
+    "U16": np.dtype("<u2"),
+    "I32": np.dtype("<i4"),
+    "U32": np.dtype("<u4"),
+    "I64": np.dtype("<i8"),
+    "U64": np.dtype("<u8"),
+    "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -39,7 +49,13 @@ class TensorInfo:
 
     def __init__(self, name, file, dtype, shape, begin, end):
         self.name, self.file, self.dtype, self.shape, self.begin, self.end = (
-            name, file, dtype, shape, begin, end)
+            name,
+            file,
+            dtype,
+            shape,
+            begin,
+            end,
+        )
 
 
 def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
@@ -51,12 +67,15 @@ def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
     with open(fpath, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"safetensors file {fpath} is truncated or corrupt "
-                             f"({size} bytes, no header)")
+            raise ValueError(
+                f"safetensors file {fpath} is truncated or corrupt ({size} bytes, no header)"
+            )
         (n,) = struct.unpack("<Q", head)
         if 8 + n > size:
-            raise ValueError(f"safetensors file {fpath} is truncated or corrupt: header length "
-                             f"{n} runs past the end of the file ({size} bytes)")
+            raise ValueError(
+                f"safetensors file {fpath} is truncated or corrupt: header length "
+                f"{n} runs past the end of the file ({size} bytes)"
+            )
         raw = f.read(n)
     try:
         hdr = json.loads(raw.decode("utf-8"))
@@ -71,28 +90,45 @@ def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
         if name == "__metadata__":
             continue
         try:
-            st, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            st, shape, (b, e) = (
+                info["dtype"],
+                tuple(int(s) for s in info["shape"]),
+                info["data_offsets"],
+            )
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"safetensors file {fpath}: corrupt header entry for {name!r}") from None
+            raise ValueError(
+                f"safetensors file {fpath}: corrupt header entry for {name!r}"
+            ) from None
         if st not in ST_DTYPES:
-            raise ValueError(f"safetensors file {fpath}: tensor {name!r} has unsupported dtype {st}")
+            raise ValueError(
+                f"safetensors file {fpath}: tensor {name!r} has unsupported dtype {st}"
+            )
         nbytes = math.prod(shape) * ST_DTYPES[st].itemsize
         if not (0 <= b <= e) or e - b != nbytes:
-            raise ValueError(f"safetensors file {fpath}: tensor {name!r} has data_offsets {[b, e]} "
-                             f"inconsistent with {st} {list(shape)}")
+            raise ValueError(
+                f"safetensors file {fpath}: tensor {name!r} has data_offsets {[b, e]} "
+                f"inconsistent with {st} {list(shape)}"
+            )
         if e > data_len:
-            raise ValueError(f"safetensors file {fpath} is truncated: tensor {name!r} ends at byte "
-                             f"{8 + n + e} but the file has {size} bytes")
+            raise ValueError(
+                f"safetensors file {fpath} is truncated: tensor {name!r} ends at byte "
+                f"{8 + n + e} but the file has {size} bytes"
+            )
         max_end = max(max_end, e)
         out[name] = TensorInfo(name, fpath, st, shape, b, e)
     if max_end != data_len:
-        raise ValueError(f"safetensors file {fpath} is corrupt: {data_len} data bytes but the "
-                         f"header describes {max_end}")
+        raise ValueError(
+            f"safetensors file {fpath} is corrupt: {data_len} data bytes but the "
+            f"header describes {max_end}"
+        )
     return out, 8 + n
 
 
-def write_safetensors(fpath: str, entries: list[tuple[str, str, tuple[int, ...]]],
-                      produce: Callable[[str], np.ndarray]) -> None:
+def write_safetensors(
+    fpath: str,
+    entries: list[tuple[str, str, tuple[int, ...]]],
+    produce: Callable[[str], np.ndarray],
+) -> None:
     """Write a safetensors file tensor by tensor: the header is built from the declared
     (name, dtype, shape) entries, then produce(name) is called once per tensor in order."""
     header: dict[str, Any] = {}
@@ -111,8 +147,9 @@ def write_safetensors(fpath: str, entries: list[tuple[str, str, tuple[int, ...]]
             a = produce(name)
             dt = ST_DTYPES[st]
             if a.dtype != dt or a.shape != tuple(shape):
-                raise AssertionError(f"internal: {name} produced {a.dtype} {a.shape}, declared "
-                                     f"{dt} {shape}")
+                raise AssertionError(
+                    f"internal: {name} produced {a.dtype} {a.shape}, declared {dt} {shape}"
+                )
             f.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
         f.flush()
         os.fsync(f.fileno())

@@ -23,189 +23,215 @@ from gpt_oss_train.config import MESH_AXES, ConfigError
 Rules = tuple[tuple[str, Any], ...]
 
 
-def resolve_axis_sizes(sizes: dict[str, int], num_devices: int, what: str = "mesh"
-                       ) -> tuple[int, ...]:
-  """Mesh sizes in MESH_AXES order, with the one -1 filled so the product is num_devices."""
-  values = [int(sizes[ax]) for ax in MESH_AXES]
-  known = math.prod(v for v in values if v != -1)
-  if -1 in values:
-    if num_devices % known:
-      raise ConfigError(
-          f"config.{what}: the fixed axes multiply to {known}, which does not divide the "
-          f"{num_devices} devices; change the sizes so the -1 axis gets a whole number")
-    values[values.index(-1)] = num_devices // known
-  if math.prod(values) != num_devices:
-    raise ConfigError(
-        f"config.{what}: {dict(zip(MESH_AXES, values))} uses {math.prod(values)} devices but "
-        f"{num_devices} are available; make the product equal the device count or set "
-        "one axis to -1")
-  return tuple(values)
+def resolve_axis_sizes(
+    sizes: dict[str, int], num_devices: int, what: str = "mesh"
+) -> tuple[int, ...]:
+    """Mesh sizes in MESH_AXES order, with the one -1 filled so the product is num_devices."""
+    values = [int(sizes[ax]) for ax in MESH_AXES]
+    known = math.prod(v for v in values if v != -1)
+    if -1 in values:
+        if num_devices % known:
+            raise ConfigError(
+                f"config.{what}: the fixed axes multiply to {known}, which does not divide the "
+                f"{num_devices} devices; change the sizes so the -1 axis gets a whole number"
+            )
+        values[values.index(-1)] = num_devices // known
+    if math.prod(values) != num_devices:
+        raise ConfigError(
+            f"config.{what}: {dict(zip(MESH_AXES, values))} uses {math.prod(values)} devices but "
+            f"{num_devices} are available; make the product equal the device count or set "
+            "one axis to -1"
+        )
+    return tuple(values)
 
 
-def make_mesh(mesh_sizes: dict[str, int], dcn_sizes: dict[str, int] | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The device mesh with axes (data, fsdp, tensor, expert).
+def make_mesh(
+    mesh_sizes: dict[str, int],
+    dcn_sizes: dict[str, int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """The device mesh with axes (data, fsdp, tensor, expert).
 
-  `mesh_sizes` is per slice (ICI); `dcn_sizes` splits across slices (multi-slice TPU) and
-  is multiplied in, with the hybrid mesh keeping fast ICI axes inside a slice.
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  dcn = tuple(int((dcn_sizes or {}).get(ax, 1)) for ax in MESH_AXES)
-  num_slices = math.prod(dcn)
-  if len(devices) % num_slices:
-    raise ConfigError(f"config.mesh_dcn: {num_slices} slices do not divide "
-                      f"{len(devices)} devices")
-  ici = resolve_axis_sizes(dict(mesh_sizes), len(devices) // num_slices, "mesh")
-  if num_slices > 1:
-    from jax.experimental import mesh_utils
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
-  else:
-    try:
-      from jax.experimental import mesh_utils
-      grid = mesh_utils.create_device_mesh(ici, devices=devices)
-    except Exception:  # CPU or unusual topologies: plain order is as good as any
-      grid = np.array(devices).reshape(ici)
-  # Auto axes: XLA propagates shardings between the constraints we place.
-  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    `mesh_sizes` is per slice (ICI); `dcn_sizes` splits across slices (multi-slice TPU) and
+    is multiplied in, with the hybrid mesh keeping fast ICI axes inside a slice.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    dcn = tuple(int((dcn_sizes or {}).get(ax, 1)) for ax in MESH_AXES)
+    num_slices = math.prod(dcn)
+    if len(devices) % num_slices:
+        raise ConfigError(
+            f"config.mesh_dcn: {num_slices} slices do not divide {len(devices)} devices"
+        )
+    ici = resolve_axis_sizes(dict(mesh_sizes), len(devices) // num_slices, "mesh")
+    if num_slices > 1:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    else:
+        try:
+            from jax.experimental import mesh_utils
+
+            grid = mesh_utils.create_device_mesh(ici, devices=devices)
+        except Exception:  # CPU or unusual topologies: plain order is as good as any
+            grid = np.array(devices).reshape(ici)
+    # Auto axes: XLA propagates shardings between the constraints we place.
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _freeze(rules) -> tuple:
-  return tuple((r[0], r[1] if r[1] is None or isinstance(r[1], str) else tuple(r[1]))
-               if isinstance(r, (tuple, list)) and len(r) == 2 else r for r in rules)
+    return tuple(
+        (r[0], r[1] if r[1] is None or isinstance(r[1], str) else tuple(r[1]))
+        if isinstance(r, (tuple, list)) and len(r) == 2
+        else r
+        for r in rules
+    )
 
 
 def validate_rules(rules: Rules, mesh_axes: Sequence[str] = MESH_AXES) -> Rules:
-  """Normalises rules to ((name, tuple_of_mesh_axes), ...) and rejects unknown axes."""
-  return _validate_rules(_freeze(rules), tuple(mesh_axes))
+    """Normalises rules to ((name, tuple_of_mesh_axes), ...) and rejects unknown axes."""
+    return _validate_rules(_freeze(rules), tuple(mesh_axes))
 
 
 @functools.lru_cache(maxsize=64)
 def _validate_rules(rules: Rules, mesh_axes: tuple[str, ...]) -> Rules:
-  out = []
-  seen = set()
-  for rule in rules:
-    if len(rule) != 2:
-      raise ConfigError(f"config.logical_axis_rules: {rule!r} is not a (name, mesh_axes) pair")
-    name, axes = rule
-    if name in seen:
-      raise ConfigError(f"config.logical_axis_rules: {name!r} appears twice")
-    seen.add(name)
-    if axes is None:
-      axes = ()
-    elif isinstance(axes, str):
-      axes = (axes,)
-    axes = tuple(axes)
-    for ax in axes:
-      if ax not in mesh_axes:
-        raise ConfigError(f"config.logical_axis_rules: {name!r} maps to unknown mesh axis "
-                          f"{ax!r}; mesh axes are {tuple(mesh_axes)}")
-    out.append((name, axes))
-  return tuple(out)
+    out = []
+    seen = set()
+    for rule in rules:
+        if len(rule) != 2:
+            raise ConfigError(
+                f"config.logical_axis_rules: {rule!r} is not a (name, mesh_axes) pair"
+            )
+        name, axes = rule
+        if name in seen:
+            raise ConfigError(f"config.logical_axis_rules: {name!r} appears twice")
+        seen.add(name)
+        if axes is None:
+            axes = ()
+        elif isinstance(axes, str):
+            axes = (axes,)
+        axes = tuple(axes)
+        for ax in axes:
+            if ax not in mesh_axes:
+                raise ConfigError(
+                    f"config.logical_axis_rules: {name!r} maps to unknown mesh axis "
+                    f"{ax!r}; mesh axes are {tuple(mesh_axes)}"
+                )
+        out.append((name, axes))
+    return tuple(out)
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
-  """PartitionSpec for an array whose dims carry `names`. Errors if two dims would share
-  a mesh axis, or a name has no rule."""
-  table = dict(validate_rules(rules))
-  used: dict[str, str] = {}
-  spec = []
-  for name in names:
-    if name is None:
-      spec.append(None)
-      continue
-    if name not in table:
-      raise ConfigError(f"config.logical_axis_rules: no rule for logical axis {name!r} "
-                        f"(array axes {tuple(names)}); add ({name!r}, None) to replicate it")
-    axes = table[name]
-    for ax in axes:
-      if ax in used:
-        raise ConfigError(
-            f"config.logical_axis_rules: array axes {tuple(names)} map both {used[ax]!r} and "
-            f"{name!r} to mesh axis {ax!r}; one array cannot shard two dims over one axis")
-      used[ax] = name
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-  return P(*spec)
+    """PartitionSpec for an array whose dims carry `names`. Errors if two dims would share
+    a mesh axis, or a name has no rule."""
+    table = dict(validate_rules(rules))
+    used: dict[str, str] = {}
+    spec = []
+    for name in names:
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ConfigError(
+                f"config.logical_axis_rules: no rule for logical axis {name!r} "
+                f"(array axes {tuple(names)}); add ({name!r}, None) to replicate it"
+            )
+        axes = table[name]
+        for ax in axes:
+            if ax in used:
+                raise ConfigError(
+                    f"config.logical_axis_rules: array axes {tuple(names)} map both {used[ax]!r} and "
+                    f"{name!r} to mesh axis {ax!r}; one array cannot shard two dims over one axis"
+                )
+            used[ax] = name
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
 
 
 # The mesh and rules the model constrains activations with. Set by `use_mesh` around
 # tracing; with none set, `constrain` is a no-op (single-device tests need nothing).
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
-    "gpt_oss_train_active_mesh", default=None)
+    "gpt_oss_train_active_mesh", default=None
+)
 
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Rules):
-  rules = validate_rules(rules, mesh.axis_names)
-  token = _ACTIVE.set((mesh, rules))
-  try:
-    with jax.set_mesh(mesh):
-      yield
-  finally:
-    _ACTIVE.reset(token)
+    rules = validate_rules(rules, mesh.axis_names)
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def active() -> tuple[Mesh, Rules] | None:
-  return _ACTIVE.get()
+    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """Pins an activation's sharding by logical names (a no-op without an active mesh)."""
-  ctx = _ACTIVE.get()
-  if ctx is None:
-    return x
-  mesh, rules = ctx
-  spec = logical_to_spec(names, rules)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, fit_spec(spec, x.shape, mesh)))
+    """Pins an activation's sharding by logical names (a no-op without an active mesh)."""
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        return x
+    mesh, rules = ctx
+    spec = logical_to_spec(names, rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, fit_spec(spec, x.shape, mesh)))
 
 
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
-  """Drops mesh axes from dims they do not divide (e.g. batch 1 at decode time, or 8 KV
-  heads on a 16-way tensor axis), keeping the largest prefix of axes that divides."""
-  out = []
-  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    if axes is None:
-      out.append(None)
-      continue
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    kept = []
-    for ax in axes:
-      if dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[ax]) == 0:
-        kept.append(ax)
-    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-  return P(*out)
+    """Drops mesh axes from dims they do not divide (e.g. batch 1 at decode time, or 8 KV
+    heads on a 16-way tensor axis), keeping the largest prefix of axes that divides."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if axes is None:
+            out.append(None)
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        kept = []
+        for ax in axes:
+            if dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[ax]) == 0:
+                kept.append(ax)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*out)
 
 
-def named_sharding(mesh: Mesh, rules: Rules, names: Sequence[str | None],
-                   shape: Sequence[int]) -> NamedSharding:
-  return NamedSharding(mesh, fit_spec(logical_to_spec(names, rules), shape, mesh))
+def named_sharding(
+    mesh: Mesh, rules: Rules, names: Sequence[str | None], shape: Sequence[int]
+) -> NamedSharding:
+    return NamedSharding(mesh, fit_spec(logical_to_spec(names, rules), shape, mesh))
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
-  """Sharding of a [batch, length, ...] input array."""
-  return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
+    """Sharding of a [batch, length, ...] input array."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 
 def batch_divisor(mesh: Mesh, rules: Rules) -> int:
-  """How many ways the batch dimension is split: global batch must be a multiple."""
-  spec = logical_to_spec(("batch",), rules)[0]
-  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
-  return math.prod(mesh.shape[a] for a in axes)
+    """How many ways the batch dimension is split: global batch must be a multiple."""
+    spec = logical_to_spec(("batch",), rules)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(mesh.shape[a] for a in axes)
 
 
 def initialize_distributed():
-  """Joins the processes of a multi-host job before any JAX computation.
+    """Joins the processes of a multi-host job before any JAX computation.
 
-  TPU pods and SLURM/Open MPI are detected by JAX itself. Anywhere else (GPU clusters,
-  N local CPU processes, GKE JobSets) the launcher exports JAX_COORDINATOR_ADDRESS
-  (host:port), JAX_PROCESS_COUNT and JAX_PROCESS_ID. A single process does nothing.
-  """
-  import os
-  addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  count = int(os.environ.get("JAX_PROCESS_COUNT", "1"))
-  if addr and count > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=addr, num_processes=count,
-                               process_id=int(os.environ["JAX_PROCESS_ID"]),
-                               initialization_timeout=300)
-  elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
-    jax.distributed.initialize()
+    TPU pods and SLURM/Open MPI are detected by JAX itself. Anywhere else (GPU clusters,
+    N local CPU processes, GKE JobSets) the launcher exports JAX_COORDINATOR_ADDRESS
+    (host:port), JAX_PROCESS_COUNT and JAX_PROCESS_ID. A single process does nothing.
+    """
+    import os
+
+    addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    count = int(os.environ.get("JAX_PROCESS_COUNT", "1"))
+    if addr and count > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=addr,
+            num_processes=count,
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+            initialization_timeout=300,
+        )
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize()

@@ -14,95 +14,119 @@ from gpt_oss_train.model import DTYPES, ModelDef
 
 
 def _decays(path, _) -> bool:
-  """Weight decay on matrices only: not on norms, biases or attention sinks."""
-  name = path[-1].key
-  return not (name in ("scale", "sinks", "bo") or name.endswith("bias")
-              or name.startswith("bi_"))
+    """Weight decay on matrices only: not on norms, biases or attention sinks."""
+    name = path[-1].key
+    return not (name in ("scale", "sinks", "bo") or name.endswith("bias") or name.startswith("bi_"))
 
 
 def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  # Linear warmup then cosine decay, shifted by one so the first update (count 0) already
-  # uses lr/warmup_steps rather than 0, and the last (count steps-1) the end value.
-  base = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
-      decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.end_lr_ratio)
-  schedule = lambda count: base(count + 1)
-  tx = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-                   mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params))
-  if t.grad_clip_norm > 0:
-    tx = optax.chain(optax.clip_by_global_norm(t.grad_clip_norm), tx)
-  return tx, schedule
+    # Linear warmup then cosine decay, shifted by one so the first update (count 0) already
+    # uses lr/warmup_steps rather than 0, and the last (count steps-1) the end value.
+    base = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=t.learning_rate,
+        warmup_steps=t.warmup_steps,
+        decay_steps=max(t.steps, t.warmup_steps + 1),
+        end_value=t.learning_rate * t.end_lr_ratio,
+    )
+    schedule = lambda count: base(count + 1)
+    tx = optax.adamw(
+        schedule,
+        b1=t.b1,
+        b2=t.b2,
+        eps=t.eps,
+        weight_decay=t.weight_decay,
+        mask=lambda params: jax.tree_util.tree_map_with_path(_decays, params),
+    )
+    if t.grad_clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(t.grad_clip_norm), tx)
+    return tx, schedule
 
 
 def opt_state_shardings(tx, abstract_params, param_shardings, mesh):
-  """Optimizer-state leaves shaped like params take the param's sharding; scalars
-  (step counts) are replicated."""
-  abstract_state = jax.eval_shape(tx.init, abstract_params)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return optax.tree_utils.tree_map_params(
-      tx, lambda _, s: s, abstract_state, param_shardings,
-      transform_non_params=lambda _: replicated)
+    """Optimizer-state leaves shaped like params take the param's sharding; scalars
+    (step counts) are replicated."""
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_state,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
 
 
 # ----------------------------------------------------------------------------- steps
 
 
 def make_loss_fn(model_def: ModelDef, t):
-  """loss_fn(params, batch) -> (summed objective, stats): sums over tokens, so the
-  gradient-accumulation path divides once by the total token count."""
-  dtype = DTYPES[model_def.cfg.dtype]
+    """loss_fn(params, batch) -> (summed objective, stats): sums over tokens, so the
+    gradient-accumulation path divides once by the total token count."""
+    dtype = DTYPES[model_def.cfg.dtype]
 
-  def loss_fn(params, batch):
-    model = model_def.bind(params)
-    hidden, aux, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    nll, z, n = loss_lib.lm_loss_sums(hidden, params["unembed"]["kernel"], batch["targets"],
-                                      batch["loss_mask"], chunk=t.loss_chunk_size, dtype=dtype)
-    # The aux and z terms are scaled by the token count so that, like the NLL, they are
-    # per-token means once the summed objective is divided by the total count.
-    objective = nll + t.z_loss_coef * z + t.aux_loss_coef * aux * n
-    return objective, {"nll": nll, "z": z, "aux": aux * n, "tokens": n}
+    def loss_fn(params, batch):
+        model = model_def.bind(params)
+        hidden, aux, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        nll, z, n = loss_lib.lm_loss_sums(
+            hidden,
+            params["unembed"]["kernel"],
+            batch["targets"],
+            batch["loss_mask"],
+            chunk=t.loss_chunk_size,
+            dtype=dtype,
+        )
+        # The aux and z terms are scaled by the token count so that, like the NLL, they are
+        # per-token means once the summed objective is divided by the total count.
+        objective = nll + t.z_loss_coef * z + t.aux_loss_coef * aux * n
+        return objective, {"nll": nll, "z": z, "aux": aux * n, "tokens": n}
 
-  return loss_fn
+    return loss_fn
 
 
 def make_train_step(model_def: ModelDef, tx, schedule, t):
-  loss_fn = make_loss_fn(model_def, t)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    loss_fn = make_loss_fn(model_def, t)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def train_step(state, batch):
-    params = state["params"]
-    if t.grad_accum_steps == 1:
-      (_, stats), grads = grad_fn(params, batch)
-    else:
-      # Microbatches under scan: the summed gradients of k microbatches equal those of
-      # the whole batch (up to float summation order), at 1/k of the activation memory.
-      k = t.grad_accum_steps
-      micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-      zeros = jax.tree.map(jnp.zeros_like, params)
+    def train_step(state, batch):
+        params = state["params"]
+        if t.grad_accum_steps == 1:
+            (_, stats), grads = grad_fn(params, batch)
+        else:
+            # Microbatches under scan: the summed gradients of k microbatches equal those of
+            # the whole batch (up to float summation order), at 1/k of the activation memory.
+            k = t.grad_accum_steps
+            micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+            zeros = jax.tree.map(jnp.zeros_like, params)
 
-      def one(acc, mb):
-        (_, st), g = grad_fn(params, mb)
-        return jax.tree.map(jnp.add, acc, (g, st)), None
+            def one(acc, mb):
+                (_, st), g = grad_fn(params, mb)
+                return jax.tree.map(jnp.add, acc, (g, st)), None
 
-      zero_stats = {k_: jnp.zeros((), jnp.float32) for k_ in ("nll", "z", "aux", "tokens")}
-      (grads, stats), _ = jax.lax.scan(one, (zeros, zero_stats), micro)
-    n = jnp.maximum(stats["tokens"], 1.0)
-    grads = jax.tree.map(lambda g: g / n, grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    params = optax.apply_updates(params, updates)
-    metrics = {"loss": stats["nll"] / n, "aux_loss": stats["aux"] / n,
-               "z_loss": stats["z"] / n, "grad_norm": optax.tree.norm(grads),
-               "learning_rate": schedule(state["step"]), "tokens": stats["tokens"]}
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+            zero_stats = {k_: jnp.zeros((), jnp.float32) for k_ in ("nll", "z", "aux", "tokens")}
+            (grads, stats), _ = jax.lax.scan(one, (zeros, zero_stats), micro)
+        n = jnp.maximum(stats["tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        metrics = {
+            "loss": stats["nll"] / n,
+            "aux_loss": stats["aux"] / n,
+            "z_loss": stats["z"] / n,
+            "grad_norm": optax.tree.norm(grads),
+            "learning_rate": schedule(state["step"]),
+            "tokens": stats["tokens"],
+        }
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-  return train_step
+    return train_step
 
 
 def make_eval_step(model_def: ModelDef, t):
-  loss_fn = make_loss_fn(model_def, t)
+    loss_fn = make_loss_fn(model_def, t)
 
-  def eval_step(params, batch):
-    _, stats = loss_fn(params, batch)
-    return stats["nll"], stats["tokens"]
+    def eval_step(params, batch):
+        _, stats = loss_fn(params, batch)
+        return stats["nll"], stats["tokens"]
 
-  return eval_step
+    return eval_step

@@ -69,7 +69,11 @@ VOCAB_FILE = "o200k_base.tiktoken"
 # SHA-256 of the *unzipped* o200k_base.tiktoken; harmony checks the same hash.
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
-_REASONING = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+_REASONING = {
+    "low": ReasoningEffort.LOW,
+    "medium": ReasoningEffort.MEDIUM,
+    "high": ReasoningEffort.HIGH,
+}
 _ROLES = {r.value: r for r in Role}
 _CHANNELS = ("analysis", "commentary", "final")
 _MESSAGE_KEYS = {"role", "content", "channel", "recipient", "name", "content_type"}
@@ -105,7 +109,11 @@ def _packaged_vocab_gz() -> pathlib.Path:
 def default_cache_dir() -> pathlib.Path:
     """`$GPT_OSS_TRAIN_CACHE/tiktoken` if that variable is set, else ~/.cache/gpt_oss_train/tiktoken."""
     root = os.environ.get("GPT_OSS_TRAIN_CACHE")
-    base = pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "gpt_oss_train"
+    base = (
+        pathlib.Path(root).expanduser()
+        if root
+        else pathlib.Path.home() / ".cache" / "gpt_oss_train"
+    )
     return base / "tiktoken"
 
 
@@ -127,7 +135,9 @@ def ensure_vocab(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
     if _sha256(target) != VOCAB_SHA256:
         source = _packaged_vocab_gz()
         if not source.is_file():
-            raise RuntimeError(f"{source} is missing; reinstall bpe-openai (`pip install --force-reinstall bpe-openai`).")
+            raise RuntimeError(
+                f"{source} is missing; reinstall bpe-openai (`pip install --force-reinstall bpe-openai`)."
+            )
         data = gzip.decompress(source.read_bytes())
         digest = hashlib.sha256(data).hexdigest()
         if digest != VOCAB_SHA256:
@@ -193,7 +203,9 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
     out: list[Message] = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise ValueError(f"message {i} is a {type(m).__name__}; give a dict with 'role' and 'content'.")
+            raise ValueError(
+                f"message {i} is a {type(m).__name__}; give a dict with 'role' and 'content'."
+            )
         unknown = set(m) - _MESSAGE_KEYS
         if unknown:
             raise ValueError(
@@ -210,10 +222,14 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
             )
         channel, recipient, name = m.get("channel"), m.get("recipient"), m.get("name")
         if channel is not None and channel not in _CHANNELS:
-            raise ValueError(f"message {i} has channel {channel!r}; use one of {list(_CHANNELS)} or leave it out.")
+            raise ValueError(
+                f"message {i} has channel {channel!r}; use one of {list(_CHANNELS)} or leave it out."
+            )
         for key in ("recipient", "name", "content_type"):
             if m.get(key) is not None and not isinstance(m[key], str):
-                raise ValueError(f"message {i} has a non-string {key!r}; give a str or leave it out.")
+                raise ValueError(
+                    f"message {i} has a non-string {key!r}; give a str or leave it out."
+                )
         if name is not None and role not in ("user", "tool"):
             # harmony would render "<|start|>assistant:name", a header the model never saw.
             raise ValueError(
@@ -223,22 +239,30 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
 
         if role == "system":
             if i != 0:
-                raise ValueError(f"message {i} is a system message; the system message must come first.")
+                raise ValueError(
+                    f"message {i} is a system message; the system message must come first."
+                )
             body = SystemContent.new().with_model_identity(content).with_reasoning_effort(effort)
             msg = Message.from_role_and_content(Role.SYSTEM, body)
         elif role == "developer":
-            msg = Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_instructions(content))
+            msg = Message.from_role_and_content(
+                Role.DEVELOPER, DeveloperContent.new().with_instructions(content)
+            )
         elif role == "tool":
             if not name:
                 raise ValueError(
                     f"message {i} is a tool message without 'name'; set it to the tool that "
                     "answered, e.g. 'functions.get_weather'."
                 )
-            msg = Message(author=Author(role=Role.TOOL, name=name), content=[TextContent(text=content)])
+            msg = Message(
+                author=Author(role=Role.TOOL, name=name), content=[TextContent(text=content)]
+            )
             recipient = recipient or "assistant"
             channel = channel or "commentary"
         else:
-            msg = Message(author=Author(role=_ROLES[role], name=name), content=[TextContent(text=content)])
+            msg = Message(
+                author=Author(role=_ROLES[role], name=name), content=[TextContent(text=content)]
+            )
             if role == "assistant":
                 channel = channel or "final"
         msg.channel = channel
@@ -247,7 +271,12 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
         out.append(msg)
 
     if not out or out[0].author.role != Role.SYSTEM:
-        out.insert(0, Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(effort)))
+        out.insert(
+            0,
+            Message.from_role_and_content(
+                Role.SYSTEM, SystemContent.new().with_reasoning_effort(effort)
+            ),
+        )
     return out
 
 
@@ -260,12 +289,17 @@ def _drop_past_analysis(messages: list[Message]) -> list[Message]:
     this does what the guidance says. Analysis after the last final (the turn in
     progress, e.g. around tool calls) is kept.
     """
-    finals = [i for i, m in enumerate(messages) if m.author.role == Role.ASSISTANT and m.channel == "final"]
+    finals = [
+        i
+        for i, m in enumerate(messages)
+        if m.author.role == Role.ASSISTANT and m.channel == "final"
+    ]
     if not finals:
         return messages
     last_final = finals[-1]
     return [
-        m for i, m in enumerate(messages)
+        m
+        for i, m in enumerate(messages)
         if not (i < last_final and m.author.role == Role.ASSISTANT and m.channel == "analysis")
     ]
 
@@ -347,7 +381,9 @@ class Tokenizer:
         return self.encoding.decode(ids, errors="replace")
 
     # ---- chat -------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], reasoning_effort: str = "medium") -> list[int]:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], reasoning_effort: str = "medium"
+    ) -> list[int]:
         """Prompt ids for generating the next assistant turn; ends with `<|start|>assistant`.
 
         Analysis messages of finished turns are dropped (see `_drop_past_analysis`), as
@@ -386,7 +422,9 @@ class Tokenizer:
         """
         msgs = _to_harmony(messages, _reasoning_effort(reasoning_effort))
         if not any(m.author.role == Role.ASSISTANT for m in msgs):
-            raise ValueError("render_chat_for_training needs at least one assistant message to train on.")
+            raise ValueError(
+                "render_chat_for_training needs at least one assistant message to train on."
+            )
         header = [START_ID, *self.encode(Role.ASSISTANT.value)]  # `<|start|>assistant`
         ids: list[int] = []
         mask: list[int] = []

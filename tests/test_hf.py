@@ -30,15 +30,33 @@ from gpt_oss_train.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 # Tiny but asymmetric: N*H (96) != D (64), 2F (192) != D, F (96) != D; D and F divisible by 32.
 V, D, L, N, K, H, E, TOPK, F, W = 301, 64, 4, 4, 2, 24, 4, 2, 96, 8
-ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000.0,
+}
 
 
 def tiny_hf_config(**kw):
-    args = dict(vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=N,
-                num_key_value_heads=K, head_dim=H, num_local_experts=E, num_experts_per_tok=TOPK,
-                intermediate_size=F, sliding_window=W, rope_parameters=dict(ROPE),
-                max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"] * (L // 2))
+    args = dict(
+        vocab_size=V,
+        hidden_size=D,
+        num_hidden_layers=L,
+        num_attention_heads=N,
+        num_key_value_heads=K,
+        head_dim=H,
+        num_local_experts=E,
+        num_experts_per_tok=TOPK,
+        intermediate_size=F,
+        sliding_window=W,
+        rope_parameters=dict(ROPE),
+        max_position_embeddings=131072,
+        layer_types=["sliding_attention", "full_attention"] * (L // 2),
+    )
     args.update(kw)
     return GptOssConfig(**args)
 
@@ -140,8 +158,9 @@ def test_transformers_dense_layout_on_disk(hf_model):
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (N * H, D)
     assert shapes["model.layers.0.self_attn.o_proj.weight"] == (D, N * H)
     assert shapes["lm_head.weight"] == (V, D)
-    assert set(shapes) == set(hf.hf_tensor_names(hf_config_to_model_dict(
-        json.load(open(os.path.join(d, "config.json"))))))
+    assert set(shapes) == set(
+        hf.hf_tensor_names(hf_config_to_model_dict(json.load(open(os.path.join(d, "config.json")))))
+    )
     assert set(dtypes.values()) == {"F32"}
 
 
@@ -187,8 +206,9 @@ def _logits(model, ids):
 
 
 def _from_pretrained(path):
-    m, info = GptOssForCausalLM.from_pretrained(path, output_loading_info=True,
-                                                attn_implementation="eager")
+    m, info = GptOssForCausalLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation="eager"
+    )
     return m.eval(), info
 
 
@@ -196,8 +216,12 @@ def test_round_trip_float32_bit_exact_and_loads_in_transformers(hf_model, tree, 
     model, d = hf_model
     cfg, params = tree
     out = tmp_path / "out"
-    save_hf(out, cfg, lambda p, layers: get(params, p) if layers is None else get(params, p)[layers],
-            dtype="float32")
+    save_hf(
+        out,
+        cfg,
+        lambda p, layers: get(params, p) if layers is None else get(params, p)[layers],
+        dtype="float32",
+    )
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     a, adt = st_tensors(d)
     b, bdt = st_tensors(out)
@@ -255,7 +279,8 @@ def test_raw_byte_fallback_reads_bf16(tmp_path):
     ckpt._handles = {str(src / "model.safetensors"): NoBF16()}
     np.testing.assert_array_equal(ckpt.read("blocks/full/attn/q_kernel"), want)
     np.testing.assert_array_equal(
-        ckpt.read("unembed/kernel"), model.lm_head.weight.detach().float().numpy().T)
+        ckpt.read("unembed/kernel"), model.lm_head.weight.detach().float().numpy().T
+    )
     assert [type(h) for h in ckpt._handles.values()] == [NoBF16]  # the fallback was used
 
 
@@ -271,7 +296,11 @@ def test_save_hf_config_and_generation_config(tree, tmp_path):
     # Our tiny vocab (301) cannot hold the GPT-OSS special ids; a real one does.
     assert c["pad_token_id"] is None
     big = model_dict_to_hf_config(dict(cfg, vocab_size=201088))
-    assert (big["bos_token_id"], big["eos_token_id"], big["pad_token_id"]) == (199998, 200002, 199999)
+    assert (big["bos_token_id"], big["eos_token_id"], big["pad_token_id"]) == (
+        199998,
+        200002,
+        199999,
+    )
     g = hf_config.generation_config(dict(cfg, vocab_size=201088))
     assert g["eos_token_id"] == [200002, 199999, 200012] and g["bos_token_id"] == 199998
     assert g["pad_token_id"] == 199999
@@ -342,17 +371,28 @@ def _write_mxfp4_checkpoint(src, dst, rng):
             new[k] = v.astype(ml_dtypes.bfloat16)
     names = sorted(new)
     os.makedirs(dst)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     wmap = {}
     for f, ks in shards.items():
         save_file({k: new[k] for k in ks}, os.path.join(dst, f), metadata={"format": "pt"})
         wmap.update({k: f for k in ks})
-    json.dump({"metadata": {"total_size": 0}, "weight_map": wmap},
-              open(os.path.join(dst, "model.safetensors.index.json"), "w"))
+    json.dump(
+        {"metadata": {"total_size": 0}, "weight_map": wmap},
+        open(os.path.join(dst, "model.safetensors.index.json"), "w"),
+    )
     cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
     return new
 
@@ -378,13 +418,16 @@ def test_mxfp4_checkpoint_read(hf_model, tmp_path):
             np.testing.assert_array_equal(wo[i], dn)
             np.testing.assert_array_equal(
                 ckpt.read(f"blocks/{kind}/moe/bi_up", slice(i, i + 1))[0],
-                raw[p + "gate_up_proj_bias"][:, 1::2].astype(np.float32))
-    np.testing.assert_array_equal(ckpt.read("unembed/kernel"),
-                                  raw["lm_head.weight"].astype(np.float32).T)
+                raw[p + "gate_up_proj_bias"][:, 1::2].astype(np.float32),
+            )
+    np.testing.assert_array_equal(
+        ckpt.read("unembed/kernel"), raw["lm_head.weight"].astype(np.float32).T
+    )
 
     # transformers' own MXFP4 loader (dequantizes to bf16 on CPU) agrees on the layout.
     m = GptOssForCausalLM.from_pretrained(
-        dst, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True))
+        dst, dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
     hf_gu = m.model.layers[3].mlp.experts.gate_up_proj.detach().float().numpy()
     hf_dn = m.model.layers[3].mlp.experts.down_proj.detach().float().numpy()
     np.testing.assert_array_equal(hf_gu[..., 0::2], ckpt.read("blocks/full/moe/wi_gate")[1])
@@ -396,8 +439,10 @@ def test_save_hf_mxfp4_round_trip(tree, tmp_path):
     cfg, params = tree
     # Make the expert weights MXFP4-representable first, so the round trip is exact.
     rep = dict(params)
-    rep["blocks"] = {kind: dict(params["blocks"][kind], moe=dict(params["blocks"][kind]["moe"]))
-                     for kind in ("sliding", "full")}
+    rep["blocks"] = {
+        kind: dict(params["blocks"][kind], moe=dict(params["blocks"][kind]["moe"]))
+        for kind in ("sliding", "full")
+    }
     for kind in ("sliding", "full"):
         for leaf in ("wi_gate", "wi_up", "wo"):
             w = rep["blocks"][kind]["moe"][leaf]
@@ -415,13 +460,15 @@ def test_save_hf_mxfp4_round_trip(tree, tmp_path):
         np.testing.assert_array_equal(get(back, p), get(rep, p), err_msg=p)
     # transformers dequantizes what we wrote to the same experts.
     m = GptOssForCausalLM.from_pretrained(
-        out, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True))
+        out, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
     ex = m.model.layers[2].mlp.experts
     gu = ex.gate_up_proj.detach().float().numpy()
     np.testing.assert_array_equal(gu[..., 0::2], rep["blocks"]["sliding"]["moe"]["wi_gate"][1])
     np.testing.assert_array_equal(gu[..., 1::2], rep["blocks"]["sliding"]["moe"]["wi_up"][1])
-    np.testing.assert_array_equal(ex.down_proj.detach().float().numpy(),
-                                  rep["blocks"]["sliding"]["moe"]["wo"][1])
+    np.testing.assert_array_equal(
+        ex.down_proj.detach().float().numpy(), rep["blocks"]["sliding"]["moe"]["wo"][1]
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -509,7 +556,9 @@ def test_error_index_points_to_missing_file(tree, tmp_path):
 
 
 def _digest(folder):
-    return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+    return {
+        f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))
+    }
 
 
 def test_save_hf_refuses_existing_checkpoint(hf_model, tree, tmp_path):
@@ -553,31 +602,76 @@ def test_save_hf_failure_leaves_nothing(tree, tmp_path):
 
 # openai/gpt-oss-20b config.json (legacy rope_scaling + rope_theta spelling).
 GPT_OSS_20B_CONFIG = {
-    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
-    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
-    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
-    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
-    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
-    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
-                                                       "model.layers.*.mlp.router",
-                                                       "model.embed_tokens", "lm_head"],
-                            "quant_method": "mxfp4"},
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    },
     "rms_norm_eps": 1e-05,
-    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                     "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
-    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
-    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
     "vocab_size": 201088,
 }
 
 GPT_OSS_20B_MODEL = dict(
-    vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64,
-    num_experts=32, experts_per_token=4, intermediate_size=2880, sliding_window=128,
-    rope_theta=150000.0, rope_scaling_factor=32.0, rope_original_max_position=4096,
-    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_truncate=False, max_position_embeddings=131072,
-    rms_norm_eps=1e-5, swiglu_limit=7.0)
+    vocab_size=201088,
+    hidden_size=2880,
+    num_layers=24,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    num_experts=32,
+    experts_per_token=4,
+    intermediate_size=2880,
+    sliding_window=128,
+    rope_theta=150000.0,
+    rope_scaling_factor=32.0,
+    rope_original_max_position=4096,
+    rope_beta_fast=32.0,
+    rope_beta_slow=1.0,
+    rope_truncate=False,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    swiglu_limit=7.0,
+)
 
 
 def test_config_published_20b():
@@ -614,27 +708,41 @@ def test_config_round_trip_and_transformers_accepts_it(hf_model):
 
 def test_config_defaults_follow_transformers():
     c = dict(GPT_OSS_20B_CONFIG)
-    c["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096}
+    c["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+    }
     m = hf_config_to_model_dict(c)
     # transformers' yarn: truncate defaults to True, betas to 32 / 1.
     assert m["rope_truncate"] is True and m["rope_beta_fast"] == 32.0 and m["rope_beta_slow"] == 1.0
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda c: c.update(layer_types=["full_attention", "sliding_attention"] * 12), "layer_types"),
-    (lambda c: c.update(layer_types=["sliding_attention"] * 24), "layer_types"),
-    (lambda c: c.update(num_hidden_layers=23, layer_types=None), "num_hidden_layers"),
-    (lambda c: c.update(rope_scaling=dict(GPT_OSS_20B_CONFIG["rope_scaling"], rope_type="linear")),
-     "rope_type"),
-    (lambda c: c.update(rope_scaling=None), "rope_parameters"),
-    (lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings"),
-    (lambda c: c.update(swiglu_alpha=1.5), "swiglu_alpha"),
-    (lambda c: c.update(quantization_config={"quant_method": "gptq"}), "quant_method"),
-    (lambda c: c.update(model_type="llama"), "model_type"),
-    (lambda c: c.pop("hidden_size"), "hidden_size"),
-    (lambda c: c.update(sliding_window=None), "sliding_window"),
-    (lambda c: c.update(attention_bias=False), "attention_bias"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (
+            lambda c: c.update(layer_types=["full_attention", "sliding_attention"] * 12),
+            "layer_types",
+        ),
+        (lambda c: c.update(layer_types=["sliding_attention"] * 24), "layer_types"),
+        (lambda c: c.update(num_hidden_layers=23, layer_types=None), "num_hidden_layers"),
+        (
+            lambda c: c.update(
+                rope_scaling=dict(GPT_OSS_20B_CONFIG["rope_scaling"], rope_type="linear")
+            ),
+            "rope_type",
+        ),
+        (lambda c: c.update(rope_scaling=None), "rope_parameters"),
+        (lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings"),
+        (lambda c: c.update(swiglu_alpha=1.5), "swiglu_alpha"),
+        (lambda c: c.update(quantization_config={"quant_method": "gptq"}), "quant_method"),
+        (lambda c: c.update(model_type="llama"), "model_type"),
+        (lambda c: c.pop("hidden_size"), "hidden_size"),
+        (lambda c: c.update(sliding_window=None), "sliding_window"),
+        (lambda c: c.update(attention_bias=False), "attention_bias"),
+    ],
+)
 def test_config_validation_errors(edit, field):
     c = json.loads(json.dumps(GPT_OSS_20B_CONFIG))
     edit(c)

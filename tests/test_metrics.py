@@ -73,21 +73,34 @@ def test_param_counts_match_published_gpt_oss():
 def _tiny_param_shapes(m):
     """Every tensor of the model, listed by shape, for an independent count."""
     D, N, K, H, E, F, V = (
-        m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
-        m.num_experts, m.intermediate_size, m.vocab_size,
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.num_experts,
+        m.intermediate_size,
+        m.vocab_size,
     )
     shapes = {"embed": (V, D), "unembed": (D, V), "final_norm": (D,)}
     for i in range(m.num_layers):
         layer = {
-            "input_norm": (D,), "post_attn_norm": (D,),
-            "q_w": (D, N, H), "q_b": (N, H),
-            "k_w": (D, K, H), "k_b": (K, H),
-            "v_w": (D, K, H), "v_b": (K, H),
-            "o_w": (N, H, D), "o_b": (D,),
+            "input_norm": (D,),
+            "post_attn_norm": (D,),
+            "q_w": (D, N, H),
+            "q_b": (N, H),
+            "k_w": (D, K, H),
+            "k_b": (K, H),
+            "v_w": (D, K, H),
+            "v_b": (K, H),
+            "o_w": (N, H, D),
+            "o_b": (D,),
             "sinks": (N,),
-            "router_w": (D, E), "router_b": (E,),
-            "gate_up_w": (E, D, 2 * F), "gate_up_b": (E, 2 * F),
-            "down_w": (E, F, D), "down_b": (E, D),
+            "router_w": (D, E),
+            "router_b": (E,),
+            "gate_up_w": (E, D, 2 * F),
+            "gate_up_b": (E, 2 * F),
+            "down_w": (E, F, D),
+            "down_b": (E, D),
         }
         shapes.update({f"layer{i}/{k}": v for k, v in layer.items()})
     return shapes
@@ -96,7 +109,9 @@ def _tiny_param_shapes(m):
 def test_param_counts_tiny_from_tensor_shapes():
     shapes = _tiny_param_shapes(TINY)
     total = sum(int(np.prod(s)) for s in shapes.values())
-    expert_tensors = [s for k, s in shapes.items() if k.split("/")[-1].startswith(("gate_up", "down"))]
+    expert_tensors = [
+        s for k, s in shapes.items() if k.split("/")[-1].startswith(("gate_up", "down"))
+    ]
     per_expert = sum(int(np.prod(s[1:])) for s in expert_tensors)  # over layers, one expert
     active = total - (TINY.num_experts - TINY.experts_per_token) * per_expert
     c = param_counts(TINY)
@@ -120,7 +135,9 @@ def _mask_pairs(seq_len, window=None):
     return int(allowed.sum())
 
 
-@pytest.mark.parametrize("seq_len,window", [(10, 4), (64, 16), (33, 32), (4, 4), (3, 8), (17, None)])
+@pytest.mark.parametrize(
+    "seq_len,window", [(10, 4), (64, 16), (33, 32), (4, 4), (3, 8), (17, None)]
+)
 def test_attention_pair_closed_forms_vs_mask(seq_len, window):
     exact = _mask_pairs(seq_len, window)
     # MaxText's closed forms drop the diagonal: S/2 pairs for causal, W/2 for banded.
@@ -134,7 +151,13 @@ def test_attention_pair_closed_forms_vs_mask(seq_len, window):
 def _hand_forward_flops(m, seq_len):
     """Forward FLOPs per token, written out layer by layer with explicit matmuls."""
     D, N, K, H = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
-    E, k, F, V, W = m.num_experts, m.experts_per_token, m.intermediate_size, m.vocab_size, m.sliding_window
+    E, k, F, V, W = (
+        m.num_experts,
+        m.experts_per_token,
+        m.intermediate_size,
+        m.vocab_size,
+        m.sliding_window,
+    )
 
     def matmul(n_in, n_out):  # per token: one multiply-add per weight = 2 FLOPs
         return 2 * n_in * n_out
@@ -268,7 +291,10 @@ def _tb_scalars(logdir):
 
 def _records(n, start=0):
     return [
-        (start + i, {"loss": 5.0 / (start + i + 1), "lr": 1e-4 * (start + i), "tokens": 4096 * (start + i)})
+        (
+            start + i,
+            {"loss": 5.0 / (start + i + 1), "lr": 1e-4 * (start + i), "tokens": 4096 * (start + i)},
+        )
         for i in range(n)
     ]
 
@@ -333,7 +359,9 @@ def test_writer_none_and_nan(tmp_path):
 def test_writer_eta_from_recent_steps(tmp_path):
     now = [100.0]
     lines = []
-    w = MetricsWriter(tmp_path, total_steps=1000, console=lines.append, clock=lambda: now[0], eta_window=3)
+    w = MetricsWriter(
+        tmp_path, total_steps=1000, console=lines.append, clock=lambda: now[0], eta_window=3
+    )
     w.write(10, {"loss": 1.0})
     assert w.eta_seconds() is None
     now[0] += 500.0  # slow first interval, later dropped from the window
@@ -365,5 +393,10 @@ def test_read_metrics_jsonl_resume_from_earlier_checkpoint(tmp_path):
     with open(path, "a") as f:
         f.write('{"step": 6, "lo')  # killed mid-line
     rows = read_metrics_jsonl(path)
-    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
-
+    assert [(r["step"], r["loss"]) for r in rows] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 13.0),
+        (4, 14.0),
+        (5, 15.0),
+    ]

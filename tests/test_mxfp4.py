@@ -50,7 +50,7 @@ def test_mxfp4_nibble_order_and_scale():
         assert not out[2:30].any()
     # Smallest scale: 0.5 * 2**-127 = 2**-128 is a float32 subnormal, still exact.
     out = dequantize_mxfp4(blocks, np.zeros((1, 1), np.uint8))
-    assert out[0, 0] == np.float32(2.0 ** -128) and out[0, 0] > 0
+    assert out[0, 0] == np.float32(2.0**-128) and out[0, 0] > 0
 
 
 def test_dequantize_matches_bitfield_reference():
@@ -66,8 +66,9 @@ def test_dequantize_matches_bitfield_reference():
     # More output rows than one internal chunk.
     blocks = rng.integers(0, 256, size=(600, 1, 16), dtype=np.uint8)
     scales = rng.integers(120, 135, size=(600, 1), dtype=np.uint8)
-    np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales).astype(np.float64),
-                                  dequant_ref(blocks, scales))
+    np.testing.assert_array_equal(
+        dequantize_mxfp4(blocks, scales).astype(np.float64), dequant_ref(blocks, scales)
+    )
 
 
 def test_quantize_mxfp4_exact_on_representable_and_nearest_otherwise():
@@ -89,7 +90,7 @@ def test_quantize_mxfp4_exact_on_representable_and_nearest_otherwise():
     for e in range(2):
         for o in range(40):
             for j in range(2):
-                blk = x[e, 32 * j:32 * j + 32, o].astype(np.float64)
+                blk = x[e, 32 * j : 32 * j + 32, o].astype(np.float64)
                 amax = np.abs(blk).max()
                 if amax == 0:
                     continue
@@ -99,8 +100,10 @@ def test_quantize_mxfp4_exact_on_representable_and_nearest_otherwise():
                 # Each value is the nearest grid point of |x|/step.
                 y = np.abs(blk) / step
                 nearest = grid[np.argmin(np.abs(y[:, None] - grid[None]), axis=1)]
-                np.testing.assert_array_equal(np.abs(q[e, 32 * j:32 * j + 32, o]) / step, nearest)
-                assert np.all((np.sign(q[e, 32 * j:32 * j + 32, o]) == np.sign(blk)) | (nearest == 0))
+                np.testing.assert_array_equal(np.abs(q[e, 32 * j : 32 * j + 32, o]) / step, nearest)
+                assert np.all(
+                    (np.sign(q[e, 32 * j : 32 * j + 32, o]) == np.sign(blk)) | (nearest == 0)
+                )
 
 
 def test_quantize_mxfp4_ties_round_to_even_code():

@@ -23,99 +23,122 @@ WINDOW = 8
 
 
 def hf_tiny_config(**kw):
-  args = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-              intermediate_size=64, sliding_window=WINDOW, max_position_embeddings=4096,
-              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
-                                   original_max_position_embeddings=4096, beta_fast=32.0,
-                                   beta_slow=1.0, truncate=False),
-              attn_implementation="eager")
-  args.update(kw)
-  return transformers.GptOssConfig(**args)
+    args = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=WINDOW,
+        max_position_embeddings=4096,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+        attn_implementation="eager",
+    )
+    args.update(kw)
+    return transformers.GptOssConfig(**args)
 
 
 def random_hf_model(seed=0):
-  torch.manual_seed(seed)
-  model = transformers.GptOssForCausalLM(hf_tiny_config()).eval()
-  with torch.no_grad():  # make every bias, sink and norm scale non-trivial
-    for p in model.parameters():
-      p.add_(0.05 * torch.randn_like(p))
-  return model
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(hf_tiny_config()).eval()
+    with torch.no_grad():  # make every bias, sink and norm scale non-trivial
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-  d = tmp_path_factory.mktemp("hf_tiny")
-  random_hf_model().save_pretrained(d)
-  return d
+    d = tmp_path_factory.mktemp("hf_tiny")
+    random_hf_model().save_pretrained(d)
+    return d
 
 
 def tokens(batch=3, length=40, vocab=300, seed=0):
-  # 40 > window 8: banded layers really drop keys
-  return np.random.RandomState(seed).randint(0, vocab, (batch, length))
+    # 40 > window 8: banded layers really drop keys
+    return np.random.RandomState(seed).randint(0, vocab, (batch, length))
 
 
 def hf_logits(model, toks):
-  with torch.no_grad():
-    return model(torch.tensor(toks)).logits.numpy()
+    with torch.no_grad():
+        return model(torch.tensor(toks)).logits.numpy()
 
 
 def our_logits(path, toks, mesh_sizes, **overrides):
-  arch = hf.HFCheckpoint(path).model_config
-  c = config_lib.default_config()
-  c.dtype = "float32"
-  mc = config_lib.ModelConfig.from_config(c, arch).replace(**overrides)
-  md = ModelDef(mc)
-  import jax
-  import math
-  n = math.prod(mesh_sizes.values()) if -1 not in mesh_sizes.values() else jax.device_count()
-  mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[:n])
-  rules = config_lib.DEFAULT_RULES
-  params = hf.load_sharded(path, md.abstract_params(mesh, rules))
-  with sharding.use_mesh(mesh, rules):
-    @jax.jit
-    def f(p, t):
-      m = md.bind(p)
-      h, _, _ = m(t)
-      return m.logits(h)
-    return np.asarray(f(params, toks))
+    arch = hf.HFCheckpoint(path).model_config
+    c = config_lib.default_config()
+    c.dtype = "float32"
+    mc = config_lib.ModelConfig.from_config(c, arch).replace(**overrides)
+    md = ModelDef(mc)
+    import jax
+    import math
+
+    n = math.prod(mesh_sizes.values()) if -1 not in mesh_sizes.values() else jax.device_count()
+    mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[:n])
+    rules = config_lib.DEFAULT_RULES
+    params = hf.load_sharded(path, md.abstract_params(mesh, rules))
+    with sharding.use_mesh(mesh, rules):
+
+        @jax.jit
+        def f(p, t):
+            m = md.bind(p)
+            h, _, _ = m(t)
+            return m.logits(h)
+
+        return np.asarray(f(params, toks))
 
 
 @pytest.mark.parametrize("scan", [True, False])
 def test_logits_match_transformers(hf_dir, scan):
-  toks = tokens()
-  ref = hf_logits(transformers.GptOssForCausalLM.from_pretrained(hf_dir).eval(), toks)
-  mesh = dict(data=1, fsdp=2, tensor=2, expert=2) if scan else dict(data=1, fsdp=1, tensor=1,
-                                                                      expert=1)
-  got = our_logits(hf_dir, toks, mesh, scan_layers=scan, moe_impl="ragged")
-  assert np.abs(got - ref).max() <= 1e-4
-  # the comparison is not vacuous: the logits vary and a shifted window would be caught
-  assert np.abs(ref).max() > 0.5
+    toks = tokens()
+    ref = hf_logits(transformers.GptOssForCausalLM.from_pretrained(hf_dir).eval(), toks)
+    mesh = (
+        dict(data=1, fsdp=2, tensor=2, expert=2)
+        if scan
+        else dict(data=1, fsdp=1, tensor=1, expert=1)
+    )
+    got = our_logits(hf_dir, toks, mesh, scan_layers=scan, moe_impl="ragged")
+    assert np.abs(got - ref).max() <= 1e-4
+    # the comparison is not vacuous: the logits vary and a shifted window would be caught
+    assert np.abs(ref).max() > 0.5
 
 
 def test_mxfp4_checkpoint_matches_transformers_dequantized(hf_dir, tmp_path):
-  """Experts quantized to MXFP4 by us and written in the published layout
-  (*_blocks/*_scales + quantization_config); HF dequantizes with its own code."""
-  arch, params = hf.load_params(hf_dir)
-  mx_dir = tmp_path / "mxfp4"
-  hf.save_hf(mx_dir, arch, params, dtype="float32", mxfp4=True)
-  cfg = __import__("json").load(open(mx_dir / "config.json"))
-  assert cfg["quantization_config"]["quant_method"] == "mxfp4"
-  from safetensors import safe_open
-  names = set()
-  for f in mx_dir.glob("*.safetensors"):
-    with safe_open(str(f), "np") as h:
-      names |= set(h.keys())
-  assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
-  assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+    """Experts quantized to MXFP4 by us and written in the published layout
+    (*_blocks/*_scales + quantization_config); HF dequantizes with its own code."""
+    arch, params = hf.load_params(hf_dir)
+    mx_dir = tmp_path / "mxfp4"
+    hf.save_hf(mx_dir, arch, params, dtype="float32", mxfp4=True)
+    cfg = __import__("json").load(open(mx_dir / "config.json"))
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    from safetensors import safe_open
 
-  ref_model = transformers.GptOssForCausalLM.from_pretrained(
-      mx_dir, quantization_config=transformers.Mxfp4Config(dequantize=True),
-      dtype=torch.float32).eval()
-  toks = tokens(seed=1)
-  ref = hf_logits(ref_model, toks)
-  got = our_logits(mx_dir, toks, dict(data=1, fsdp=1, tensor=1, expert=-1))
-  assert np.abs(got - ref).max() <= 1e-4
-  # quantization really changed the model (else this test would prove nothing)
-  dense = hf_logits(transformers.GptOssForCausalLM.from_pretrained(hf_dir).eval(), toks)
-  assert np.abs(dense - ref).max() > 1e-3
+    names = set()
+    for f in mx_dir.glob("*.safetensors"):
+        with safe_open(str(f), "np") as h:
+            names |= set(h.keys())
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+
+    ref_model = transformers.GptOssForCausalLM.from_pretrained(
+        mx_dir, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    toks = tokens(seed=1)
+    ref = hf_logits(ref_model, toks)
+    got = our_logits(mx_dir, toks, dict(data=1, fsdp=1, tensor=1, expert=-1))
+    assert np.abs(got - ref).max() <= 1e-4
+    # quantization really changed the model (else this test would prove nothing)
+    dense = hf_logits(transformers.GptOssForCausalLM.from_pretrained(hf_dir).eval(), toks)
+    assert np.abs(dense - ref).max() > 1e-3

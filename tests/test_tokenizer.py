@@ -83,7 +83,12 @@ def test_fresh_process_renders_and_parses_without_network(tmp_path):
         """
     )
     run = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -104,7 +109,12 @@ def test_offline_env_really_blocks_downloads(tmp_path):
         "load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)\n"
     )
     run = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode != 0
     assert "download" in run.stderr
@@ -187,7 +197,11 @@ def test_special_token_ids_match_harmony(tok):
         assert enc.encode(text, allowed_special="all") == [token_id], text
         assert tok.decode([token_id]) == text
     assert (tk.PAD_ID, tok.pad_id, tok.eos_id) == (199999, 199999, 199999)
-    assert tok.stop_ids == frozenset({200002, 200012}) == frozenset(enc.stop_tokens_for_assistant_actions())
+    assert (
+        tok.stop_ids
+        == frozenset({200002, 200012})
+        == frozenset(enc.stop_tokens_for_assistant_actions())
+    )
     assert set(enc.stop_tokens()) == {200002, 200012, 200007}
     assert tk.VOCAB_SIZE == tok.vocab_size == 201088
     assert tok.decode([tk.VOCAB_SIZE - 1]) == "<|reserved_201087|>"
@@ -275,7 +289,10 @@ def test_render_chat_drops_analysis_of_finished_turns(tok):
     ]
     text = tok.decode(tok.render_chat(msgs))
     assert "think" not in text
-    assert "<|start|>assistant<|channel|>final<|message|>f2<|end|><|start|>user<|message|>u3<|end|>" in text
+    assert (
+        "<|start|>assistant<|channel|>final<|message|>f2<|end|><|start|>user<|message|>u3<|end|>"
+        in text
+    )
     # Analysis after the last final (a turn still in progress around a tool call) stays.
     in_progress = msgs[:-1] + [
         {"role": "user", "content": "u3"},
@@ -285,7 +302,10 @@ def test_render_chat_drops_analysis_of_finished_turns(tok):
     ]
     text = tok.decode(tok.render_chat(in_progress))
     assert "think3" in text and "think1" not in text and "think2" not in text
-    assert "<|start|>functions.f to=assistant<|channel|>commentary<|message|>42<|end|><|start|>assistant" in text
+    assert (
+        "<|start|>functions.f to=assistant<|channel|>commentary<|message|>42<|end|><|start|>assistant"
+        in text
+    )
 
 
 def test_invalid_messages_raise_with_index(tok):
@@ -315,8 +335,13 @@ TRAIN_CHAT = [
     {"role": "assistant", "channel": "final", "content": "f1"},
     {"role": "user", "content": "u2"},
     {"role": "assistant", "channel": "analysis", "content": "a2"},
-    {"role": "assistant", "channel": "commentary", "recipient": "functions.get",
-     "content_type": "<|constrain|>json", "content": '{"x": 1}'},
+    {
+        "role": "assistant",
+        "channel": "commentary",
+        "recipient": "functions.get",
+        "content_type": "<|constrain|>json",
+        "content": '{"x": 1}',
+    },
     {"role": "tool", "name": "functions.get", "content": "42"},
     {"role": "assistant", "channel": "final", "content": "f2"},
 ]
@@ -325,20 +350,28 @@ TRAIN_CHAT = [
 def _harmony_conversation() -> Conversation:
     """TRAIN_CHAT built by hand with harmony's own types (independent of our mapping)."""
     M = Message.from_role_and_content
-    return Conversation.from_messages([
-        M(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort.MEDIUM)),
-        M(Role.DEVELOPER, DeveloperContent.new().with_instructions("Be brief.")),
-        M(Role.USER, "u1 <|end|>"),
-        M(Role.ASSISTANT, "a1").with_channel("analysis"),
-        M(Role.ASSISTANT, "f1").with_channel("final"),
-        M(Role.USER, "u2"),
-        M(Role.ASSISTANT, "a2").with_channel("analysis"),
-        M(Role.ASSISTANT, '{"x": 1}').with_channel("commentary").with_recipient("functions.get")
-        .with_content_type("<|constrain|>json"),
-        Message(author=Author(role=Role.TOOL, name="functions.get"), content=[TextContent(text="42")])
-        .with_recipient("assistant").with_channel("commentary"),
-        M(Role.ASSISTANT, "f2").with_channel("final"),
-    ])
+    return Conversation.from_messages(
+        [
+            M(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort.MEDIUM)),
+            M(Role.DEVELOPER, DeveloperContent.new().with_instructions("Be brief.")),
+            M(Role.USER, "u1 <|end|>"),
+            M(Role.ASSISTANT, "a1").with_channel("analysis"),
+            M(Role.ASSISTANT, "f1").with_channel("final"),
+            M(Role.USER, "u2"),
+            M(Role.ASSISTANT, "a2").with_channel("analysis"),
+            M(Role.ASSISTANT, '{"x": 1}')
+            .with_channel("commentary")
+            .with_recipient("functions.get")
+            .with_content_type("<|constrain|>json"),
+            Message(
+                author=Author(role=Role.TOOL, name="functions.get"),
+                content=[TextContent(text="42")],
+            )
+            .with_recipient("assistant")
+            .with_channel("commentary"),
+            M(Role.ASSISTANT, "f2").with_channel("final"),
+        ]
+    )
 
 
 def _spans(tok, ids, mask):
@@ -390,7 +423,8 @@ def test_training_mask_is_exactly_the_assistant_output(tok):
 
 def test_training_single_turn_and_errors(tok):
     ids, mask = tok.render_chat_for_training(
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], reasoning_effort="low"
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        reasoning_effort="low",
     )
     assert "Reasoning: low" in tok.decode(ids)
     assert _spans(tok, ids, mask) == ["<|channel|>final<|message|>Hello!<|return|>"]
@@ -413,9 +447,18 @@ def test_training_prefix_matches_inference_prompt(tok):
 def _completion(tok) -> list[int]:
     # "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
     return (
-        [tk.CHANNEL_ID] + tok.encode("analysis") + [tk.MESSAGE_ID] + tok.encode("think") + [tk.END_ID]
-        + [tk.START_ID] + tok.encode("assistant") + [tk.CHANNEL_ID] + tok.encode("final")
-        + [tk.MESSAGE_ID] + tok.encode("Hi!") + [tk.RETURN_ID]
+        [tk.CHANNEL_ID]
+        + tok.encode("analysis")
+        + [tk.MESSAGE_ID]
+        + tok.encode("think")
+        + [tk.END_ID]
+        + [tk.START_ID]
+        + tok.encode("assistant")
+        + [tk.CHANNEL_ID]
+        + tok.encode("final")
+        + [tk.MESSAGE_ID]
+        + tok.encode("Hi!")
+        + [tk.RETURN_ID]
     )
 
 
@@ -425,8 +468,20 @@ def test_parse_completion_splits_channels(tok):
         "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
     )
     expected = [
-        {"role": "assistant", "channel": "analysis", "recipient": None, "content_type": None, "content": "think"},
-        {"role": "assistant", "channel": "final", "recipient": None, "content_type": None, "content": "Hi!"},
+        {
+            "role": "assistant",
+            "channel": "analysis",
+            "recipient": None,
+            "content_type": None,
+            "content": "think",
+        },
+        {
+            "role": "assistant",
+            "channel": "final",
+            "recipient": None,
+            "content_type": None,
+            "content": "Hi!",
+        },
     ]
     assert tok.parse_completion(comp) == expected
     assert tok.parse_completion(comp[:-1]) == expected  # without the stop token
@@ -434,20 +489,33 @@ def test_parse_completion_splits_channels(tok):
 
 def test_parse_completion_tool_call_and_truncation(tok):
     call = (
-        [tk.CHANNEL_ID] + tok.encode("commentary to=functions.get ") + [tk.CONSTRAIN_ID] + tok.encode("json")
-        + [tk.MESSAGE_ID] + tok.encode('{"x": 1}') + [tk.CALL_ID]
+        [tk.CHANNEL_ID]
+        + tok.encode("commentary to=functions.get ")
+        + [tk.CONSTRAIN_ID]
+        + tok.encode("json")
+        + [tk.MESSAGE_ID]
+        + tok.encode('{"x": 1}')
+        + [tk.CALL_ID]
     )
     assert tok.parse_completion(call) == [
-        {"role": "assistant", "channel": "commentary", "recipient": "functions.get",
-         "content_type": "<|constrain|>json", "content": '{"x": 1}'},
+        {
+            "role": "assistant",
+            "channel": "commentary",
+            "recipient": "functions.get",
+            "content_type": "<|constrain|>json",
+            "content": '{"x": 1}',
+        },
     ]
     comp = _completion(tok)
     cut_in_content = comp[:-2]  # "...final<|message|>Hi" (no "!" and no stop)
     assert [(m["channel"], m["content"]) for m in tok.parse_completion(cut_in_content)] == [
-        ("analysis", "think"), ("final", "Hi"),
+        ("analysis", "think"),
+        ("final", "Hi"),
     ]
     cut_in_header = comp[: comp.index(tk.START_ID) + 3]  # "...<|end|><|start|>assistant<|channel|>"
-    assert [(m["channel"], m["content"]) for m in tok.parse_completion(cut_in_header)] == [("analysis", "think")]
+    assert [(m["channel"], m["content"]) for m in tok.parse_completion(cut_in_header)] == [
+        ("analysis", "think")
+    ]
     garbage_after_return = comp + tok.encode("more")
     assert [m["content"] for m in tok.parse_completion(garbage_after_return)] == ["think", "Hi!"]
     assert tok.parse_completion([]) == []
@@ -465,4 +533,7 @@ def test_stream_parser_yields_deltas_by_channel(tok):
     assert by_channel == {"analysis": "think", "final": "Hi! 🦜"}
     assert all(delta == "" for _, delta in events[:3])  # header tokens carry no text
     assert "\ufffd" not in "".join(d for _, d in events)  # split emoji held back, not mangled
-    assert [(m["channel"], m["content"]) for m in sp.finish()] == [("analysis", "think"), ("final", "Hi! 🦜")]
+    assert [(m["channel"], m["content"]) for m in sp.finish()] == [
+        ("analysis", "think"),
+        ("final", "Hi! 🦜"),
+    ]

@@ -32,130 +32,175 @@ _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Decode batch sizes.
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Decode prompt length.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence.")
 _INT8 = flags.DEFINE_bool("int8_weights", False, "Decode with int8 weight-only weights.")
-_PEAK_BW = flags.DEFINE_float("peak_bandwidth", 0.0,
-                              "Device memory bandwidth in bytes/s, for the decode "
-                              "bandwidth share (0: look up H100/H200/TPU figures).")
+_PEAK_BW = flags.DEFINE_float(
+    "peak_bandwidth",
+    0.0,
+    "Device memory bandwidth in bytes/s, for the decode "
+    "bandwidth share (0: look up H100/H200/TPU figures).",
+)
 
 # HBM bandwidth per device (bytes/s), from the vendors' datasheets.
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "TPU v5 lite": 0.819e12,
-                  "TPU v5": 2.765e12, "TPU v6 lite": 1.64e12, "TPU v4": 1.2e12}
+PEAK_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100": 3.35e12,
+    "TPU v5 lite": 0.819e12,
+    "TPU v5": 2.765e12,
+    "TPU v6 lite": 1.64e12,
+    "TPU v4": 1.2e12,
+}
 
 
 def _emit(record: dict):
-  print(json.dumps(record), flush=True)
+    print(json.dumps(record), flush=True)
 
 
 def _memory_gb(device) -> float | None:
-  stats = device.memory_stats() or {}
-  peak = stats.get("peak_bytes_in_use")
-  return None if peak is None else peak / 2**30
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
 
 
 def bench_train(config):
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from gpt_oss_train import config as config_lib, metrics, sharding, steps
-  from gpt_oss_train.model import ModelDef
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from gpt_oss_train import config as config_lib, metrics, sharding, steps
+    from gpt_oss_train.model import ModelDef
 
-  config_lib.validate(config)
-  t = config.train
-  mc = config_lib.ModelConfig.from_config(config)
-  md = ModelDef(mc)
-  rules = sharding.validate_rules(config.logical_axis_rules)
-  mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
-  tx, schedule = steps.make_optimizer(t)
-  with sharding.use_mesh(mesh, rules):
-    params = md.init(config.seed, mesh, rules)
-    param_sh = md.shardings(mesh, rules)
-    opt_sh = steps.opt_state_shardings(tx, md.abstract_params(mesh, rules), param_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    state = {"step": jnp.int32(0), "params": params, "opt_state": opt_state}
-    rng = np.random.RandomState(0)
-    b, s = t.global_batch_size, t.seq_len
-    batch = {"inputs": rng.randint(0, mc.vocab_size, (b, s)),
-             "targets": rng.randint(0, mc.vocab_size, (b, s)),
-             "positions": np.tile(np.arange(s), (b, 1)), "segment_ids": np.ones((b, s)),
-             "loss_mask": np.ones((b, s))}
-    batch = jax.device_put({k: v.astype(np.int32) for k, v in batch.items()},
-                           sharding.batch_sharding(mesh, rules, 2))
-    step = jax.jit(steps.make_train_step(md, tx, schedule, t), donate_argnums=0)
-    t0 = time.perf_counter()
-    state, out = step(state, batch)
-    jax.block_until_ready(out)
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(_STEPS.value):
-      state, out = step(state, batch)
-    jax.block_until_ready(out)
-    dt = (time.perf_counter() - t0) / _STEPS.value
-  flops = metrics.training_flops_per_token(mc, s)["total"]
-  peak = metrics.peak_flops_per_device(jax.devices()[0].device_kind,
-                                       t.peak_flops_per_device or None)
-  perf = metrics.throughput_metrics(step_time_s=dt, tokens_per_step=b * s,
-                                    num_devices=jax.device_count(), flops_per_token=flops,
-                                    peak=peak)
-  _emit({"mode": "train", "device": jax.devices()[0].device_kind,
-         "devices": jax.device_count(), "layers": mc.num_layers, "experts": mc.num_experts,
-         "hidden": mc.hidden_size, "batch": b, "seq_len": s, "moe_impl": mc.moe_impl,
-         "attention_impl": mc.attention_impl, "remat": mc.remat_policy,
-         "compile_s": round(compile_s, 1), "loss": float(out["loss"]),
-         "peak_memory_gb": _memory_gb(jax.devices()[0]),
-         **{k.split("/")[-1]: v for k, v in perf.items()}})
+    config_lib.validate(config)
+    t = config.train
+    mc = config_lib.ModelConfig.from_config(config)
+    md = ModelDef(mc)
+    rules = sharding.validate_rules(config.logical_axis_rules)
+    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
+    tx, schedule = steps.make_optimizer(t)
+    with sharding.use_mesh(mesh, rules):
+        params = md.init(config.seed, mesh, rules)
+        param_sh = md.shardings(mesh, rules)
+        opt_sh = steps.opt_state_shardings(tx, md.abstract_params(mesh, rules), param_sh, mesh)
+        opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+        state = {"step": jnp.int32(0), "params": params, "opt_state": opt_state}
+        rng = np.random.RandomState(0)
+        b, s = t.global_batch_size, t.seq_len
+        batch = {
+            "inputs": rng.randint(0, mc.vocab_size, (b, s)),
+            "targets": rng.randint(0, mc.vocab_size, (b, s)),
+            "positions": np.tile(np.arange(s), (b, 1)),
+            "segment_ids": np.ones((b, s)),
+            "loss_mask": np.ones((b, s)),
+        }
+        batch = jax.device_put(
+            {k: v.astype(np.int32) for k, v in batch.items()},
+            sharding.batch_sharding(mesh, rules, 2),
+        )
+        step = jax.jit(steps.make_train_step(md, tx, schedule, t), donate_argnums=0)
+        t0 = time.perf_counter()
+        state, out = step(state, batch)
+        jax.block_until_ready(out)
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(_STEPS.value):
+            state, out = step(state, batch)
+        jax.block_until_ready(out)
+        dt = (time.perf_counter() - t0) / _STEPS.value
+    flops = metrics.training_flops_per_token(mc, s)["total"]
+    peak = metrics.peak_flops_per_device(
+        jax.devices()[0].device_kind, t.peak_flops_per_device or None
+    )
+    perf = metrics.throughput_metrics(
+        step_time_s=dt,
+        tokens_per_step=b * s,
+        num_devices=jax.device_count(),
+        flops_per_token=flops,
+        peak=peak,
+    )
+    _emit(
+        {
+            "mode": "train",
+            "device": jax.devices()[0].device_kind,
+            "devices": jax.device_count(),
+            "layers": mc.num_layers,
+            "experts": mc.num_experts,
+            "hidden": mc.hidden_size,
+            "batch": b,
+            "seq_len": s,
+            "moe_impl": mc.moe_impl,
+            "attention_impl": mc.attention_impl,
+            "remat": mc.remat_policy,
+            "compile_s": round(compile_s, 1),
+            "loss": float(out["loss"]),
+            "peak_memory_gb": _memory_gb(jax.devices()[0]),
+            **{k.split("/")[-1]: v for k, v in perf.items()},
+        }
+    )
 
 
 def active_weight_bytes(mc, bytes_per_weight: float) -> float:
-  """Weights one decode step must read for one token: attention, router, k experts per
-  layer, the unembedding ("active" parameters leave out the embedding, a one-row gather)."""
-  from gpt_oss_train import metrics
-  return metrics.param_counts(mc)["active"] * bytes_per_weight
+    """Weights one decode step must read for one token: attention, router, k experts per
+    layer, the unembedding ("active" parameters leave out the embedding, a one-row gather)."""
+    from gpt_oss_train import metrics
+
+    return metrics.param_counts(mc)["active"] * bytes_per_weight
 
 
 def bench_decode(config):
-  """decode's benchmark (benchmarking.py) on random weights, plus the share of the
-  memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
-  import jax
-  import numpy as np
-  from gpt_oss_train import benchmarking, config as config_lib, decode, quantize, sharding
-  from gpt_oss_train.model import ModelDef
+    """decode's benchmark (benchmarking.py) on random weights, plus the share of the
+    memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
+    import jax
+    import numpy as np
+    from gpt_oss_train import benchmarking, config as config_lib, decode, quantize, sharding
+    from gpt_oss_train.model import ModelDef
 
-  config = decode.runtime_config(config)
-  mc = config_lib.ModelConfig.from_config(config)
-  md = ModelDef(mc)
-  rules = sharding.validate_rules(config.logical_axis_rules)
-  mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
-  kind = jax.devices()[0].device_kind
-  bw = _PEAK_BW.value or next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None)
-  with sharding.use_mesh(mesh, rules):
-    params = md.init(config.seed, mesh, rules)
-    if _INT8.value:
-      params = jax.jit(quantize.quantize_params)(params)
-  model = decode.LoadedModel(md, params, mesh, rules, "random", "", config.train.loss_chunk_size)
-  opts = decode.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
-  rows = benchmarking.benchmark(model, batch_sizes=[int(b) for b in _BATCH_SIZES.value],
-                                prompt_lengths=[_PROMPT_LEN.value],
-                                max_new_tokens=_NEW_TOKENS.value, repeats=3, opts=opts)
-  wbytes = 1 if _INT8.value else np.dtype(mc.param_dtype).itemsize
-  for row in rows:
-    step_s = row["batch"] * 1.0 / row["decode_tok_s"]
-    record = {"mode": "decode", "device": kind, "devices": jax.device_count(),
-              "layers": mc.num_layers, "experts": mc.num_experts,
-              "param_dtype": mc.param_dtype, "int8_weights": _INT8.value, **row,
-              "ms_per_step": step_s * 1e3}
-    if bw:
-      record["active_weight_bw_share"] = active_weight_bytes(mc, wbytes) / step_s / (
-          bw * jax.device_count())
-    _emit(record)
+    config = decode.runtime_config(config)
+    mc = config_lib.ModelConfig.from_config(config)
+    md = ModelDef(mc)
+    rules = sharding.validate_rules(config.logical_axis_rules)
+    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
+    kind = jax.devices()[0].device_kind
+    bw = _PEAK_BW.value or next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None)
+    with sharding.use_mesh(mesh, rules):
+        params = md.init(config.seed, mesh, rules)
+        if _INT8.value:
+            params = jax.jit(quantize.quantize_params)(params)
+    model = decode.LoadedModel(md, params, mesh, rules, "random", "", config.train.loss_chunk_size)
+    opts = decode.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
+    rows = benchmarking.benchmark(
+        model,
+        batch_sizes=[int(b) for b in _BATCH_SIZES.value],
+        prompt_lengths=[_PROMPT_LEN.value],
+        max_new_tokens=_NEW_TOKENS.value,
+        repeats=3,
+        opts=opts,
+    )
+    wbytes = 1 if _INT8.value else np.dtype(mc.param_dtype).itemsize
+    for row in rows:
+        step_s = row["batch"] * 1.0 / row["decode_tok_s"]
+        record = {
+            "mode": "decode",
+            "device": kind,
+            "devices": jax.device_count(),
+            "layers": mc.num_layers,
+            "experts": mc.num_experts,
+            "param_dtype": mc.param_dtype,
+            "int8_weights": _INT8.value,
+            **row,
+            "ms_per_step": step_s * 1e3,
+        }
+        if bw:
+            record["active_weight_bw_share"] = (
+                active_weight_bytes(mc, wbytes) / step_s / (bw * jax.device_count())
+            )
+        _emit(record)
 
 
 def main(argv):
-  del argv
-  config = _CONFIG.value
-  if _MODE.value == "train":
-    bench_train(config)
-  else:
-    bench_decode(config)
+    del argv
+    config = _CONFIG.value
+    if _MODE.value == "train":
+        bench_train(config)
+    else:
+        bench_decode(config)
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

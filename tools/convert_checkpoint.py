@@ -25,79 +25,89 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face gpt-oss folder to re
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Orbax checkpoint folder to write.")
 _ORBAX_DIR = flags.DEFINE_string("orbax_dir", None, "Orbax checkpoint (or workdir) to read.")
 _HF_OUT = flags.DEFINE_string("hf_out", None, "Hugging Face folder to write.")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
-                           "Tensor dtype of the written HF safetensors.")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "bfloat16", ["bfloat16", "float32"], "Tensor dtype of the written HF safetensors."
+)
 _MXFP4 = flags.DEFINE_bool("mxfp4", False, "Write HF expert weights as MXFP4 blocks/scales.")
-_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"],
-                                 "dtype of the Orbax parameters.")
+_PARAM_DTYPE = flags.DEFINE_enum(
+    "param_dtype", "float32", ["float32", "bfloat16"], "dtype of the Orbax parameters."
+)
 
 
 def hf_to_orbax(hf_dir: str, output_dir: str, param_dtype: str = "float32") -> dict:
-  import jax
-  from gpt_oss_train import checkpoint, config as config_lib, hf, sharding
-  from gpt_oss_train.model import ModelDef
+    import jax
+    from gpt_oss_train import checkpoint, config as config_lib, hf, sharding
+    from gpt_oss_train.model import ModelDef
 
-  if checkpoint.find_step_dir(output_dir) is not None:
-    raise checkpoint.CheckpointError(f"{output_dir} already holds a checkpoint; choose an "
-                                     "empty folder")
-  arch = hf.HFCheckpoint(hf_dir).model_config  # validates every tensor up front
-  c = config_lib.default_config()
-  c.param_dtype = param_dtype
-  md = ModelDef(config_lib.ModelConfig.from_config(c, arch))
-  mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1, expert=1),
-                            devices=jax.local_devices())
-  params = hf.load_sharded(hf_dir, md.abstract_params(mesh, config_lib.DEFAULT_RULES))
-  checkpoint.save_params_only(output_dir, params, arch)
-  return arch
+    if checkpoint.find_step_dir(output_dir) is not None:
+        raise checkpoint.CheckpointError(
+            f"{output_dir} already holds a checkpoint; choose an empty folder"
+        )
+    arch = hf.HFCheckpoint(hf_dir).model_config  # validates every tensor up front
+    c = config_lib.default_config()
+    c.param_dtype = param_dtype
+    md = ModelDef(config_lib.ModelConfig.from_config(c, arch))
+    mesh = sharding.make_mesh(
+        dict(data=1, fsdp=-1, tensor=1, expert=1), devices=jax.local_devices()
+    )
+    params = hf.load_sharded(hf_dir, md.abstract_params(mesh, config_lib.DEFAULT_RULES))
+    checkpoint.save_params_only(output_dir, params, arch)
+    return arch
 
 
-def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: bool = False
-                ) -> dict:
-  import jax
-  import numpy as np
-  from gpt_oss_train import checkpoint, config as config_lib, hf, sharding
-  from gpt_oss_train.model import ModelDef
+def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: bool = False) -> dict:
+    import jax
+    import numpy as np
+    from gpt_oss_train import checkpoint, config as config_lib, hf, sharding
+    from gpt_oss_train.model import ModelDef
 
-  if os.path.isdir(hf_out) and os.listdir(hf_out):
-    raise FileExistsError(f"{hf_out} is not empty; choose a new folder")
-  arch = checkpoint.read_model_config(orbax_dir)
-  c = config_lib.default_config()
-  md = ModelDef(config_lib.ModelConfig.from_config(c, arch))
-  mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1, expert=1),
-                            devices=jax.local_devices())
-  params, _, _ = checkpoint.load_params(orbax_dir,
-                                        md.abstract_params(mesh, config_lib.DEFAULT_RULES))
+    if os.path.isdir(hf_out) and os.listdir(hf_out):
+        raise FileExistsError(f"{hf_out} is not empty; choose a new folder")
+    arch = checkpoint.read_model_config(orbax_dir)
+    c = config_lib.default_config()
+    md = ModelDef(config_lib.ModelConfig.from_config(c, arch))
+    mesh = sharding.make_mesh(
+        dict(data=1, fsdp=-1, tensor=1, expert=1), devices=jax.local_devices()
+    )
+    params, _, _ = checkpoint.load_params(
+        orbax_dir, md.abstract_params(mesh, config_lib.DEFAULT_RULES)
+    )
 
-  def get_param(path: str, layers):
-    arr = params
-    for k in path.split("/"):
-      arr = arr[k]
-    if layers is not None:
-      arr = arr[layers]
-    return np.asarray(jax.device_get(arr), dtype=np.float32)
+    def get_param(path: str, layers):
+        arr = params
+        for k in path.split("/"):
+            arr = arr[k]
+        if layers is not None:
+            arr = arr[layers]
+        return np.asarray(jax.device_get(arr), dtype=np.float32)
 
-  hf.save_hf(hf_out, arch, get_param, dtype=dtype, mxfp4=mxfp4)
-  return arch
+    hf.save_hf(hf_out, arch, get_param, dtype=dtype, mxfp4=mxfp4)
+    return arch
 
 
 def main(argv):
-  del argv
-  if bool(_HF_DIR.value) == bool(_ORBAX_DIR.value):
-    raise app.UsageError("give exactly one of --hf_dir (with --output_dir) or --orbax_dir "
-                         "(with --hf_out)")
-  if _HF_DIR.value:
-    if not _OUTPUT_DIR.value:
-      raise app.UsageError("--hf_dir needs --output_dir (the Orbax folder to write)")
-    arch = hf_to_orbax(_HF_DIR.value, _OUTPUT_DIR.value, _PARAM_DTYPE.value)
-    print(f"wrote Orbax checkpoint {_OUTPUT_DIR.value} ({arch['num_layers']} layers, "
-          f"{arch['num_experts']} experts)")
-  else:
-    if not _HF_OUT.value:
-      raise app.UsageError("--orbax_dir needs --hf_out (the HF folder to write)")
-    arch = orbax_to_hf(_ORBAX_DIR.value, _HF_OUT.value, _DTYPE.value, _MXFP4.value)
-    print(f"wrote Hugging Face checkpoint {_HF_OUT.value} ({_DTYPE.value}"
-          f"{', MXFP4 experts' if _MXFP4.value else ''})")
+    del argv
+    if bool(_HF_DIR.value) == bool(_ORBAX_DIR.value):
+        raise app.UsageError(
+            "give exactly one of --hf_dir (with --output_dir) or --orbax_dir (with --hf_out)"
+        )
+    if _HF_DIR.value:
+        if not _OUTPUT_DIR.value:
+            raise app.UsageError("--hf_dir needs --output_dir (the Orbax folder to write)")
+        arch = hf_to_orbax(_HF_DIR.value, _OUTPUT_DIR.value, _PARAM_DTYPE.value)
+        print(
+            f"wrote Orbax checkpoint {_OUTPUT_DIR.value} ({arch['num_layers']} layers, "
+            f"{arch['num_experts']} experts)"
+        )
+    else:
+        if not _HF_OUT.value:
+            raise app.UsageError("--orbax_dir needs --hf_out (the HF folder to write)")
+        arch = orbax_to_hf(_ORBAX_DIR.value, _HF_OUT.value, _DTYPE.value, _MXFP4.value)
+        print(
+            f"wrote Hugging Face checkpoint {_HF_OUT.value} ({_DTYPE.value}"
+            f"{', MXFP4 experts' if _MXFP4.value else ''})"
+        )
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

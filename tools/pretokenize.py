@@ -34,74 +34,91 @@ _SPLIT = flags.DEFINE_string("split", "train", "Split of the source (stdlib, tfd
 _SHARD_SIZE = flags.DEFINE_integer("shard_size", 10_000, "Documents per ArrayRecord file.")
 
 
-def pretokenize(source_spec: str, output: str, *, split: str = "train",
-                shard_size: int = 10_000) -> dict:
-  """Writes the shards and pretokenized.json; returns the metadata written."""
-  from array_record.python.array_record_module import ArrayRecordWriter
+def pretokenize(
+    source_spec: str, output: str, *, split: str = "train", shard_size: int = 10_000
+) -> dict:
+    """Writes the shards and pretokenized.json; returns the metadata written."""
+    from array_record.python.array_record_module import ArrayRecordWriter
 
-  if shard_size <= 0:
-    raise sources.DataError(f"--shard_size must be positive, got {shard_size}")
-  if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-    raise sources.DataError(f"{output} already exists and is not an empty directory; "
-                            "choose a new --output (this tool never overwrites files)")
-  source = sources.make_source(source_spec, split=split)  # bad specs fail before any write
-  os.makedirs(output, exist_ok=True)
+    if shard_size <= 0:
+        raise sources.DataError(f"--shard_size must be positive, got {shard_size}")
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise sources.DataError(
+            f"{output} already exists and is not an empty directory; "
+            "choose a new --output (this tool never overwrites files)"
+        )
+    source = sources.make_source(source_spec, split=split)  # bad specs fail before any write
+    os.makedirs(output, exist_ok=True)
 
-  files, writer = [], None
-  documents = tokens = in_shard = 0
-  start = time.time()
-  for i in range(len(source)):
-    ids, mask = data.document_ids(source[i])
-    if len(ids) < 2:  # empty text: nothing to predict, as the pipeline would drop it
-      continue
-    if writer is None or in_shard == shard_size:
-      if writer is not None:
+    files, writer = [], None
+    documents = tokens = in_shard = 0
+    start = time.time()
+    for i in range(len(source)):
+        ids, mask = data.document_ids(source[i])
+        if len(ids) < 2:  # empty text: nothing to predict, as the pipeline would drop it
+            continue
+        if writer is None or in_shard == shard_size:
+            if writer is not None:
+                writer.close()
+            in_shard = 0
+            files.append(f"shard-{len(files):05d}.array_record")
+            # group_size:1 makes every record its own chunk: fast random access for grain.
+            writer = ArrayRecordWriter(os.path.join(output, files[-1]), "group_size:1")
+        record = np.concatenate([ids, mask] if source.has_chat else [ids])
+        writer.write(record.astype("<i4").tobytes())  # little-endian, as sources.TokenRecords reads
+        documents += 1
+        in_shard += 1
+        tokens += len(ids)
+        if documents % 10_000 == 0:
+            logging.info(
+                "%d documents, %d tokens, %.0f tokens/s",
+                documents,
+                tokens,
+                tokens / (time.time() - start),
+            )
+    if writer is not None:
         writer.close()
-      in_shard = 0
-      files.append(f"shard-{len(files):05d}.array_record")
-      # group_size:1 makes every record its own chunk: fast random access for grain.
-      writer = ArrayRecordWriter(os.path.join(output, files[-1]), "group_size:1")
-    record = np.concatenate([ids, mask] if source.has_chat else [ids])
-    writer.write(record.astype("<i4").tobytes())  # little-endian, as sources.TokenRecords reads
-    documents += 1
-    in_shard += 1
-    tokens += len(ids)
-    if documents % 10_000 == 0:
-      logging.info("%d documents, %d tokens, %.0f tokens/s", documents, tokens,
-                   tokens / (time.time() - start))
-  if writer is not None:
-    writer.close()
-  if not documents:
-    raise sources.DataError(f"{source_spec}: no document has any text")
+    if not documents:
+        raise sources.DataError(f"{source_spec}: no document has any text")
 
-  tok = Tokenizer()
-  meta = {
-      "format": sources.META_FORMAT, "tokenizer": sources.TOKENIZER_NAME, "vocab_size": VOCAB_SIZE,
-      "eos_id": tok.eos_id, "dtype": "int32", "loss_mask": bool(source.has_chat),
-      "documents": documents, "tokens": tokens, "files": files,
-      "source": source_spec, "split": split,
-      "replaced_bytes": sum(sources.replaced_bytes(source).values()),
-  }
-  tmp = os.path.join(output, sources.META_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(meta, f, indent=2)
-  os.replace(tmp, os.path.join(output, sources.META_FILE))  # atomic: present means complete
-  return meta
+    tok = Tokenizer()
+    meta = {
+        "format": sources.META_FORMAT,
+        "tokenizer": sources.TOKENIZER_NAME,
+        "vocab_size": VOCAB_SIZE,
+        "eos_id": tok.eos_id,
+        "dtype": "int32",
+        "loss_mask": bool(source.has_chat),
+        "documents": documents,
+        "tokens": tokens,
+        "files": files,
+        "source": source_spec,
+        "split": split,
+        "replaced_bytes": sum(sources.replaced_bytes(source).values()),
+    }
+    tmp = os.path.join(output, sources.META_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+    os.replace(tmp, os.path.join(output, sources.META_FILE))  # atomic: present means complete
+    return meta
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  if not _SOURCE.value or not _OUTPUT.value:
-    raise app.UsageError("--source and --output are required")
-  try:
-    meta = pretokenize(_SOURCE.value, _OUTPUT.value, split=_SPLIT.value,
-                       shard_size=_SHARD_SIZE.value)
-  except sources.DataError as e:
-    sys.exit(f"error: {e}")
-  print(f"wrote {meta['documents']} documents, {meta['tokens']} tokens in "
-        f"{len(meta['files'])} files to {_OUTPUT.value}")
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not _SOURCE.value or not _OUTPUT.value:
+        raise app.UsageError("--source and --output are required")
+    try:
+        meta = pretokenize(
+            _SOURCE.value, _OUTPUT.value, split=_SPLIT.value, shard_size=_SHARD_SIZE.value
+        )
+    except sources.DataError as e:
+        sys.exit(f"error: {e}")
+    print(
+        f"wrote {meta['documents']} documents, {meta['tokens']} tokens in "
+        f"{len(meta['files'])} files to {_OUTPUT.value}"
+    )
 
 
 if __name__ == "__main__":
-  app.run(main)
+    app.run(main)

@@ -855,6 +855,9 @@ def _run(f) -> int:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from gpt_oss_train.metrics import quiet_library_logs
+
+    quiet_library_logs()
     try:
         return _run(flags.FLAGS)
     except (DecodeError, ckpt_lib.CheckpointError, config_lib.ConfigError) as e:

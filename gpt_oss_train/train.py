@@ -76,6 +76,7 @@ def train(config, workdir: str, devices=None) -> dict:
     """Runs the training job; returns a summary (used by tests and the CLI). `devices`
     restricts the mesh to some of the devices (tests compare meshes in one process)."""
     config_lib.validate(config)
+    workdir = os.path.abspath(workdir)
     t = config.train
     if (
         t.eval_every

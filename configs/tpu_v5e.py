@@ -1,12 +1,18 @@
 """gpt-oss-20b pre-training / fine-tuning on a TPU v5e-256 pod slice (16x16).
 
-Memory per chip (16 GiB HBM): 20.9B params x (4 B param + 8 B Adam) = 251 GB of state,
-sharded 256 ways = 0.98 GB/chip; gradients in float32 another 0.33 GB; activations with
-full remat at 1 sequence of 4096 tokens per chip fit in the rest. Experts shard 8 ways
-over `expert` (32 experts -> 4 per chip), everything else FSDP over the other 32.
-Check it from a CPU before booking the pod:
+20.9B params x (4 B param + 8 B Adam) = 251 GB of state. Experts shard 4 ways over
+`expert` (32 experts -> 8 per chip) and 64 ways FSDP; the other weights shard FSDP 64
+ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequence of
+4096 tokens per chip, full remat, splash attention, expert-parallel MoE.
+
+Checked from a CPU with the compiler the pod runs (libtpu 0.0.42.1, jax 0.10.2's pin;
+the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-26:
   python tools/aot_compile.py --config=configs/tpu_v5e.py --topology=v5e:16x16
-Pass `:gpt-oss-120b` after the file name for the 120b shape (use a v5e-512 or larger).
+  -> state 1.31 GiB, temporaries 12.90 GiB, total 14.46 GiB of 16 GiB per chip: fits.
+With expert=8 the same step needed 21.8 GiB (17.1 GiB with libtpu 0.0.52).
+Pass `:gpt-oss-120b` for the 120b shape: it fits v5p:8x8x8 (512 chips) at 49 GiB of
+95 with --config.mesh.expert=16 --config.train.global_batch_size=512 (measured with
+attention_impl=blockwise and libtpu 0.0.52).
 """
 
 from gpt_oss_train.config import PRESETS, default_config
@@ -21,7 +27,7 @@ def get_config(model: str = "gpt-oss-20b"):
     c.remat_policy = "full"
     c.attention_impl = "splash"
     c.moe_impl = "sharded"
-    c.mesh.update(data=1, fsdp=-1, tensor=1, expert=8)
+    c.mesh.update(data=1, fsdp=-1, tensor=1, expert=4)
     c.train.update(
         steps=10000,
         global_batch_size=256,

@@ -18,8 +18,8 @@ Back-ends:
   blockwise  query blocks under lax.map; banded layers only read the keys their window
              can reach, so memory is O(block * (block + window)) instead of O(S^2).
              Self-attention over a sequence (training, prefill).
-  splash     TPU Pallas splash attention; the sink is folded in afterwards from the
-             kernel's log-sum-exp: out * sigmoid(lse - sink).
+  splash     TPU Pallas splash attention, which takes the sinks itself; under shard_map
+             over batch and heads.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gpt_oss_train import sharding
 
 _NEG = -1e30  # finite "minus infinity": keeps max/exp/grad free of inf - inf
 
@@ -109,11 +112,40 @@ def blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, bloc
 
 
 def splash_attention(q, k, v, sinks, q_seg, window):
-    """TPU splash attention (Pallas) with the sink folded in from the log-sum-exp.
+    """TPU splash attention (Pallas), which takes the sinks itself (forward and gradient).
 
     Causal by index within the sequence plus segment ids: valid for training and prefill
-    of whole sequences, where positions equal indices within each segment.
+    of whole sequences, where positions equal indices within each segment. A Mosaic
+    kernel cannot be partitioned by XLA, so under a mesh it runs in `shard_map` over the
+    batch and head axes of the logical rules (each device: its rows, its heads, the whole
+    sequence).
     """
+    ctx = sharding.active()
+    if ctx is None:
+        return _splash_local(q, k, v, q_seg, sinks.astype(jnp.float32), window)
+    mesh, rules = ctx
+    qspec = sharding.fit_spec(
+        sharding.logical_to_spec(("batch", "length", "heads", "head_dim"), rules), q.shape, mesh
+    )
+    kspec = sharding.fit_spec(
+        sharding.logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules), k.shape, mesh
+    )
+    if qspec[1] is not None or qspec[3] is not None or kspec[2] != qspec[2]:
+        raise ValueError(
+            "config.attention_impl='splash' needs the sequence and head_dim unsharded and query "
+            f"and KV heads sharded alike; the rules give q {qspec}, k {kspec}. Use 'blockwise'."
+        )
+    fn = jax.shard_map(
+        lambda q, k, v, seg, snk: _splash_local(q, k, v, seg, snk, window),
+        mesh=mesh,
+        in_specs=(qspec, kspec, kspec, P(qspec[0], None), P(qspec[2])),
+        out_specs=qspec,
+        check_vma=False,
+    )
+    return fn(q, k, v, q_seg, sinks.astype(jnp.float32))
+
+
+def _splash_local(q, k, v, q_seg, sinks, window):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as sk,
         splash_attention_mask as sm,
@@ -122,27 +154,20 @@ def splash_attention(q, k, v, sinks, q_seg, window):
     b, s, n, h = q.shape
     kh = k.shape[2]
     mask = sm.CausalMask((s, s))
-    if window is not None:
+    if window is not None:  # the last `window` keys, the query's own included
         mask = sm.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
-    multi = sm.MultiHeadMask([mask] * n)
-    kernel = sk.make_splash_mha(multi, head_shards=1, q_seq_shards=1, save_residuals=True)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * n), head_shards=1, q_seq_shards=1)
     scale = 1.0 / math.sqrt(h)
 
     def one(qb, kb, vb, segb):
-        # [n, s, h] per batch element; GQA: repeat kv heads to query heads.
+        # [heads, s, h] per batch row; GQA: each KV head serves n // kh query heads.
         kb = jnp.repeat(kb, n // kh, axis=0)
         vb = jnp.repeat(vb, n // kh, axis=0)
-        ids = sk.SegmentIds(q=segb, kv=segb)
-        out, (lse,) = kernel(qb * scale, kb, vb, segment_ids=ids)
-        return out, lse
+        return kernel(qb * scale, kb, vb, segment_ids=sk.SegmentIds(q=segb, kv=segb), sinks=sinks)
 
-    out, lse = jax.vmap(one)(
+    out = jax.vmap(one)(
         q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_seg
     )
-    # out already normalised by sum_j e^{s_j} = e^{lse}; with the sink the denominator is
-    # e^{lse} + e^{sink}, so rescale by e^{lse} / (e^{lse} + e^{sink}) = sigmoid(lse - sink).
-    corr = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32)[None, :, None])
-    out = out.astype(jnp.float32) * corr[..., None]
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
@@ -170,7 +195,7 @@ def attention(
     if impl == "blockwise":
         return blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block)
     if impl == "splash":
-        if jax.devices()[0].platform != "tpu":
+        if sharding.platform() != "tpu":
             raise ValueError("config.attention_impl='splash' needs a TPU; use 'blockwise' or 'xla'")
         return splash_attention(q, k, v, sinks, q_seg, window)
     raise ValueError(f"unknown attention_impl {impl!r}")

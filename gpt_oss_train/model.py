@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from gpt_oss_train import attention as attn_lib
@@ -428,11 +429,27 @@ class ModelDef:
         return self._abstract_state.to_pure_dict()
 
     def shardings(self, mesh, rules) -> dict:
-        return jax.tree.map(
-            lambda names, a: sharding.named_sharding(mesh, rules, names, a.shape),
-            self.logical_axes(),
-            self.shapes(),
-            is_leaf=lambda x: isinstance(x, tuple),
+        """NamedShardings of every parameter. A dim the rules shard over mesh axes it does
+        not divide is replicated over them instead (2880 over 256 devices, say): allowed,
+        but it can multiply the memory a device holds, so it is logged."""
+
+        def one(path, names, a):
+            wanted = sharding.logical_to_spec(names, rules)
+            got = sharding.fit_spec(wanted, a.shape, mesh)
+            if tuple(got) != tuple(wanted) + (None,) * (len(got) - len(wanted)):
+                name = "/".join(str(getattr(k, "key", k)) for k in path)
+                logging.warning(
+                    "%s %s: rules ask for %s, mesh %s only allows %s (replicated over the rest)",
+                    name,
+                    tuple(a.shape),
+                    wanted,
+                    dict(mesh.shape),
+                    got,
+                )
+            return jax.sharding.NamedSharding(mesh, got)
+
+        return jax.tree_util.tree_map_with_path(
+            one, self.logical_axes(), self.shapes(), is_leaf=lambda x: isinstance(x, tuple)
         )
 
     def abstract_params(self, mesh=None, rules=None) -> dict:

@@ -147,7 +147,7 @@ def _mgpu_tiles(k: int, n: int) -> dict | None:
 def _use_mgpu(x, w) -> bool:
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         return False
-    dev = jax.devices()[0]
+    dev = sharding.device()
     if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
         return False
     k, n = w.shape[1], w.shape[2]

@@ -66,7 +66,11 @@ def make_mesh(
     if num_slices > 1:
         from jax.experimental import mesh_utils
 
-        grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+        # Splitting physical axes is what lets e.g. fsdp=32 x expert=8 lie on a 16x16 slice
+        # (32 = 16 x 2); without it every such mesh fails here, with no fallback.
+        grid = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices=devices, allow_split_physical_axes=True
+        )
     else:
         try:
             from jax.experimental import mesh_utils
@@ -167,6 +171,18 @@ def use_mesh(mesh: Mesh, rules: Rules):
 
 def active() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
+
+
+def device() -> jax.Device:
+    """A device of the computation being traced: the active mesh's (which, when compiling
+    ahead of time for a TPU topology, are the target's devices), else the default one.
+    Back-ends that pick a kernel by platform ask this, not jax.devices()."""
+    ctx = _ACTIVE.get()
+    return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
+
+
+def platform() -> str:
+    return device().platform
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

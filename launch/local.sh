@@ -3,22 +3,64 @@
 #   launch/local.sh 2 python -m gpt_oss_train.train --config=configs/cpu_tiny.py --workdir=/tmp/run
 # Each process gets JAX_PROCESS_ID/JAX_PROCESS_COUNT and the coordinator address, which
 # gpt_oss_train.sharding.initialize_distributed() turns into jax.distributed.initialize.
-# CPU processes split the fake devices: set DEVICES_PER_PROCESS (default 4).
+# CPU processes split the fake devices: set DEVICES_PER_PROCESS (default 4). Output lines
+# are prefixed with the process id ([0] ..., [1] ...). If one process fails the others are
+# stopped (a survivor would otherwise wait in a collective for its dead peer), and the
+# script exits with the first failure's status.
 set -euo pipefail
 n=${1:?usage: launch/local.sh NUM_PROCESSES command...}; shift
 port=${COORDINATOR_PORT:-$((20000 + RANDOM % 20000))}
 per=${DEVICES_PER_PROCESS:-4}
+# A device count already in XLA_FLAGS (e.g. a test harness's) would fight ours.
+xla_flags=$(printf '%s' "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g')
+
 pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; }
-trap cleanup EXIT INT TERM
+stop_all() {
+  local pid
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  # SIGTERM asks train.py for a checkpoint, which needs every peer; give up after a while.
+  for _ in $(seq 1 50); do
+    local alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    ((alive)) || return 0
+    sleep 0.2
+  done
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+trap 'stop_all; exit 130' INT TERM
+
 for ((i = 0; i < n; i++)); do
+  # `read` rather than sed for the prefix: sed buffers its output when it writes to a pipe.
   JAX_COORDINATOR_ADDRESS="localhost:$port" JAX_PROCESS_COUNT="$n" JAX_PROCESS_ID="$i" \
-  JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" \
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$per" \
-    "$@" > >(sed "s/^/[$i] /") 2>&1 &
+  JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}" \
+  XLA_FLAGS="$xla_flags --xla_force_host_platform_device_count=$per" \
+    "$@" > >(while IFS= read -r line; do printf '[%s] %s\n' "$i" "$line"; done) 2>&1 &
   pids+=($!)
 done
+
+# Poll rather than `wait -n` (bash >= 4.3; macOS ships 3.2): reap each process as it
+# ends, and stop the rest as soon as one fails.
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-trap - EXIT
+remaining=("${pids[@]}")
+while ((${#remaining[@]})); do
+  still=()
+  for pid in "${remaining[@]}"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      still+=("$pid")
+    elif wait "$pid"; then
+      :
+    else
+      rc=$?
+      if ((status == 0)); then
+        status=$rc
+        echo "launch/local.sh: process $pid exited with status $rc; stopping the others" >&2
+        stop_all
+      fi
+    fi
+  done
+  remaining=(${still[@]+"${still[@]}"})
+  ((${#remaining[@]})) && sleep 0.2
+done
+trap - INT TERM
+wait  # the output-prefixing readers
 exit $status

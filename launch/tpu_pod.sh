@@ -14,9 +14,12 @@ git -C "$repo" archive --format=tar.gz -o "$tarball" HEAD
 gc() { gcloud compute tpus tpu-vm "$@" --zone="$ZONE" --project="$PROJECT"; }
 gc scp "$tarball" "$TPU_NAME:/tmp/gpt_oss_train.tgz" --worker=all
 cmd=$(printf '%q ' "$@")
+# The MoE's grouped-matmul backward needs a little more on-chip scratch than libtpu's
+# default 16 MiB at gpt-oss sizes (tools/aot_compile.py reports it); 64 MiB is safe.
+libtpu_args=${LIBTPU_INIT_ARGS:---xla_tpu_scoped_vmem_limit_kib=65536}
 remote="set -e; mkdir -p ~/gpt_oss_train && tar xzf /tmp/gpt_oss_train.tgz -C ~/gpt_oss_train
 cd ~/gpt_oss_train && python3 -m pip install -q -e '.[tpu]'
 sudo lsof -t /dev/vfio/* /dev/accel* 2>/dev/null | xargs -r sudo kill -9 || true
 sudo rm -f /tmp/libtpu_lockfile
-$cmd 2>&1 | tee ~/gpt_oss_train_worker.log"
+LIBTPU_INIT_ARGS='$libtpu_args' $cmd 2>&1 | tee ~/gpt_oss_train_worker.log"
 gc ssh "$TPU_NAME" --worker=all --command="$remote"

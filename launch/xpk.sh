@@ -7,6 +7,8 @@ set -euo pipefail
 : "${CLUSTER:?set CLUSTER}" "${TPU_TYPE:?set TPU_TYPE}" "${IMAGE:?set IMAGE}"
 [ $# -gt 0 ] || { echo "usage: $0 command..." >&2; exit 2; }
 workload=${WORKLOAD:-gpt-oss-$(date +%Y%m%d-%H%M%S)}
+# See tpu_pod.sh: the grouped-matmul backward needs more on-chip scratch than the default.
+libtpu_args=${LIBTPU_INIT_ARGS:---xla_tpu_scoped_vmem_limit_kib=65536}
 xpk workload create --cluster="$CLUSTER" --workload="$workload" --tpu-type="$TPU_TYPE" \
-  --num-slices="${NUM_SLICES:-1}" --docker-image="$IMAGE" --command="$(printf '%q ' "$@")"
+  --num-slices="${NUM_SLICES:-1}" --docker-image="$IMAGE" --command="LIBTPU_INIT_ARGS='$libtpu_args' $(printf '%q ' "$@")"
 echo "submitted $workload; logs: xpk workload list --cluster=$CLUSTER"

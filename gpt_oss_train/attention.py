@@ -148,6 +148,8 @@ def splash_attention(q, k, v, sinks, q_seg, window):
 def _splash_local(q, k, v, q_seg, sinks, window):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as sk,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_mask as sm,
     )
 

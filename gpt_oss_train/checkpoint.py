@@ -176,8 +176,8 @@ class TrainCheckpointer:
     def should_stop(self, step: int) -> bool:
         flag = self._sigterm.is_set()
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
             import numpy as np
+            from jax.experimental import multihost_utils
 
             flag = bool(multihost_utils.process_allgather(np.array(flag)).any())
         return flag or self._mngr.reached_preemption(step)

@@ -257,6 +257,7 @@ def make_pipeline(
 def global_batch(local_batch: dict[str, np.ndarray], mesh, rules) -> dict[str, Any]:
     """This process's rows -> global jax.Arrays sharded over `batch` (any process count)."""
     import jax
+
     from gpt_oss_train import sharding
 
     s = sharding.batch_sharding(mesh, sharding.validate_rules(rules, mesh.axis_names), 2)

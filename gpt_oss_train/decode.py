@@ -26,8 +26,9 @@ Modes
                "stop_reason" ("stop" | "length"), "timing": {"prefill_s", "total_s",
                "tokens_per_s", "batch_rows"}}
             prefill_s and total_s are those of the batch the line ran in (the first
-            batch includes compilation); tokens_per_s is the line's tokens / total_s. A line that cannot run gives {"index", "error": "line N: ..."}
-            and a warning; the others still run.
+            batch includes compilation); tokens_per_s is the line's tokens / total_s.
+            A line that cannot run gives {"index", "error": "line N: ..."} and a
+            warning; the others still run.
   score     --input=JSONL: lines {"tokens": [ids]} or {"text": "..."} (encoded with no
             end-of-text added) -> {"index", "num_tokens", "logprobs" (n-1 values,
             log p(t[i+1] | t[:i+1]), float32 logits), "sum_logprob", "perplexity"
@@ -38,9 +39,10 @@ Modes
             EOF ends. The final channel streams as it is generated; analysis and
             commentary only with --show_analysis (dimmed on a terminal).
   benchmark --batch_sizes=1,4 --prompt_lengths=16,128 --max_new_tokens=32 --repeats=3:
-            (benchmarking.py) random prompts, greedy, exactly max_new_tokens (no stop ids); per case,
-            after a warm-up, medians of: time to first token (prefill + first token),
-            prefill tokens/s, decode tokens/s (batch * new tokens / decode time).
+            (benchmarking.py) random prompts, greedy, exactly max_new_tokens (no stop
+            ids); per case, after a warm-up, medians of: time to first token (prefill +
+            first token), prefill tokens/s, decode tokens/s (batch * new tokens / decode
+            time).
             --compare_hf (HF folders): transformers' GptOssForCausalLM.generate on the
             same weights and prompts, in the same run.
 

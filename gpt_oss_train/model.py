@@ -25,8 +25,7 @@ from flax import nnx
 
 from gpt_oss_train import attention as attn_lib
 from gpt_oss_train import moe as moe_lib
-from gpt_oss_train import quantize
-from gpt_oss_train import sharding
+from gpt_oss_train import quantize, sharding
 from gpt_oss_train.config import ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

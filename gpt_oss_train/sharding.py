@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train.config import MESH_AXES, ConfigError
 
@@ -143,7 +144,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> P:
         for ax in axes:
             if ax in used:
                 raise ConfigError(
-                    f"config.logical_axis_rules: array axes {tuple(names)} map both {used[ax]!r} and "
+                    f"config.logical_axis_rules: array axes {tuple(names)} map both "
+                    f"{used[ax]!r} and "
                     f"{name!r} to mesh axis {ax!r}; one array cannot shard two dims over one axis"
                 )
             used[ax] = name

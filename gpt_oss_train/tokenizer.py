@@ -35,8 +35,8 @@ from openai_harmony import (
     Conversation,
     DeveloperContent,
     HarmonyEncoding,
-    HarmonyError,
     HarmonyEncodingName,
+    HarmonyError,
     Message,
     ReasoningEffort,
     RenderConversationConfig,
@@ -107,7 +107,8 @@ def _packaged_vocab_gz() -> pathlib.Path:
 
 
 def default_cache_dir() -> pathlib.Path:
-    """`$GPT_OSS_TRAIN_CACHE/tiktoken` if that variable is set, else ~/.cache/gpt_oss_train/tiktoken."""
+    """`$GPT_OSS_TRAIN_CACHE/tiktoken` if that variable is set, else
+    ~/.cache/gpt_oss_train/tiktoken."""
     root = os.environ.get("GPT_OSS_TRAIN_CACHE")
     base = (
         pathlib.Path(root).expanduser()
@@ -136,7 +137,8 @@ def ensure_vocab(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
         source = _packaged_vocab_gz()
         if not source.is_file():
             raise RuntimeError(
-                f"{source} is missing; reinstall bpe-openai (`pip install --force-reinstall bpe-openai`)."
+                f"{source} is missing; reinstall bpe-openai "
+                "(`pip install --force-reinstall bpe-openai`)."
             )
         data = gzip.decompress(source.read_bytes())
         digest = hashlib.sha256(data).hexdigest()
@@ -209,7 +211,8 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
         unknown = set(m) - _MESSAGE_KEYS
         if unknown:
             raise ValueError(
-                f"message {i} has unknown keys {sorted(unknown)}; allowed keys are {sorted(_MESSAGE_KEYS)}."
+                f"message {i} has unknown keys {sorted(unknown)}; "
+                f"allowed keys are {sorted(_MESSAGE_KEYS)}."
             )
         role = m.get("role")
         if not isinstance(role, str) or role not in _ROLES:
@@ -223,7 +226,8 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
         channel, recipient, name = m.get("channel"), m.get("recipient"), m.get("name")
         if channel is not None and channel not in _CHANNELS:
             raise ValueError(
-                f"message {i} has channel {channel!r}; use one of {list(_CHANNELS)} or leave it out."
+                f"message {i} has channel {channel!r}; "
+                f"use one of {list(_CHANNELS)} or leave it out."
             )
         for key in ("recipient", "name", "content_type"):
             if m.get(key) is not None and not isinstance(m[key], str):

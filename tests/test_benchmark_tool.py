@@ -38,3 +38,31 @@ def test_train_and_decode_records():
     rows = run("--mode=decode", "--batch_sizes=1,2", "--prompt_len=8", "--new_tokens=4")
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+
+
+def test_trace_summary_adds_device_kernel_time(tmp_path):
+    """summarize_trace on a hand-written Perfetto trace: host events are ignored, device
+    kernels are summed by name, and launches are counted per decode step."""
+    import gzip
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from benchmark import summarize_trace
+
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "ts": 0.0, "dur": 999.0, "name": "PjitFunction(decode)"},
+        {"ph": "X", "pid": 2, "ts": 10.0, "dur": 300.0, "name": "gemm"},
+        {"ph": "X", "pid": 2, "ts": 400.0, "dur": 100.0, "name": "reduce"},
+        {"ph": "X", "pid": 2, "ts": 600.0, "dur": 300.0, "name": "gemm"},
+    ]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize_trace(str(tmp_path), steps=2)
+    assert s["events"] == 3 and s["events_per_step"] == 1.5
+    assert abs(s["device_busy_ms"] - 0.7) < 1e-9
+    assert abs(s["device_span_ms"] - 0.89) < 1e-9  # from 10 us to 900 us
+    assert [(t["name"], t["count"]) for t in s["top"]] == [("gemm", 2), ("reduce", 1)]
+    assert abs(s["top"][0]["share"] - 600 / 700) < 1e-9

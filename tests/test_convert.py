@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 from safetensors import safe_open
-
 from test_parity import random_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

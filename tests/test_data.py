@@ -259,6 +259,7 @@ def test_batch_must_divide_over_processes(tmp_path):
 
 def test_global_batch_on_a_mesh():
     import jax
+
     from gpt_oss_train import config, sharding
 
     mesh = sharding.make_mesh(dict(data=1, fsdp=-1, tensor=1, expert=1))

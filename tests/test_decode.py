@@ -76,7 +76,8 @@ def hf_model(hf_dir):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A run of configs/cpu_tiny.py, shortened to 3 steps."""
-    from gpt_oss_train import config as config_lib, train
+    from gpt_oss_train import config as config_lib
+    from gpt_oss_train import train
 
     config = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
     config.train.update(steps=3, global_batch_size=8, seq_len=32, eval_every=0, log_every=1)

@@ -5,13 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from test_parity import WINDOW, random_hf_model
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import hf, quantize
 from gpt_oss_train.generate import Generator, SamplingParams
 from gpt_oss_train.model import ModelDef
-
-from test_parity import WINDOW, random_hf_model
 
 # prompts shorter and longer than the window (8) and the ring (max(8, chunk 16) = 16)
 PROMPTS = [list(np.random.RandomState(1).randint(0, 300, 40)), [5, 9, 200, 17], [3] * 11]

@@ -18,9 +18,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
-
 from test_mxfp4 import dequant_ref  # noqa: E402
+from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
 from gpt_oss_train import config as config_lib  # noqa: E402
 from gpt_oss_train import hf, hf_config  # noqa: E402

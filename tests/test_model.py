@@ -332,6 +332,11 @@ def test_decode_sized_batches_take_the_gathered_path_and_match_reference():
         f32(x), weights, idx, ew, limit=7.0, alpha=1.702, dtype=jnp.float32
     )
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # the GPU form (each product padded to a 16-row GEMM) computes the same thing
+    got16 = moe_lib.gathered_ffn(
+        f32(x), weights, idx, ew, limit=7.0, alpha=1.702, dtype=jnp.float32, rows=16
+    )
+    np.testing.assert_allclose(got16, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # and the int8 weights gather only what they need, still close to the float path
     from gpt_oss_train import quantize
 

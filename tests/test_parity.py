@@ -82,8 +82,9 @@ def our_logits(path, toks, mesh_sizes, **overrides):
     c.dtype = "float32"
     mc = config_lib.ModelConfig.from_config(c, arch).replace(**overrides)
     md = ModelDef(mc)
-    import jax
     import math
+
+    import jax
 
     n = math.prod(mesh_sizes.values()) if -1 not in mesh_sizes.values() else jax.device_count()
     mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[:n])

@@ -303,8 +303,8 @@ def test_render_chat_drops_analysis_of_finished_turns(tok):
     text = tok.decode(tok.render_chat(in_progress))
     assert "think3" in text and "think1" not in text and "think2" not in text
     assert (
-        "<|start|>functions.f to=assistant<|channel|>commentary<|message|>42<|end|><|start|>assistant"
-        in text
+        "<|start|>functions.f to=assistant<|channel|>commentary<|message|>42<|end|>"
+        "<|start|>assistant" in text
     )
 
 
@@ -410,7 +410,8 @@ def test_training_mask_is_exactly_the_assistant_output(tok):
         # formatting of what the model ended with <|return|>, so it is not trained.
         "<|channel|>analysis<|message|>a1<|end|><|start|>assistant<|channel|>final<|message|>f1",
         # turn 2: analysis, then a tool call ending in <|call|>.
-        "<|channel|>analysis<|message|>a2<|end|><|start|>assistant to=functions.get<|channel|>commentary"
+        "<|channel|>analysis<|message|>a2<|end|>"
+        "<|start|>assistant to=functions.get<|channel|>commentary"
         ' <|constrain|>json<|message|>{"x": 1}<|call|>',
         # after the tool result, the prompt again supplies "<|start|>assistant".
         "<|channel|>final<|message|>f2<|return|>",
@@ -445,7 +446,8 @@ def test_training_prefix_matches_inference_prompt(tok):
 # Parsing generated ids
 # ----------------------------------------------------------------------------------------
 def _completion(tok) -> list[int]:
-    # "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
+    # "<|channel|>analysis<|message|>think<|end|>"
+    # "<|start|>assistant<|channel|>final<|message|>Hi!<|return|>"
     return (
         [tk.CHANNEL_ID]
         + tok.encode("analysis")

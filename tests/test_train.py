@@ -275,6 +275,7 @@ def test_finetune_init_from_hf_then_from_orbax(tmp_path):
     the same params on the same first batch, so its first loss is the same number."""
     transformers = pytest.importorskip("transformers")
     import torch
+
     from gpt_oss_train import hf
 
     torch.manual_seed(0)

@@ -10,6 +10,9 @@ JAX sees. No checkpoint and no data needed: a capacity-planning tool.
   python tools/benchmark.py --mode=decode --config=configs/gpu_h100.py \
       --batch_sizes=1,8 --prompt_len=128 --new_tokens=64
 
+  # where a decode step's device time goes: add --profile_dir=DIR (a JAX profiler trace
+  # per batch size, summarized as kernels by total time and launches per step)
+
 Prints one JSON object per measurement (and a table), so results can be collected.
 """
 
@@ -32,6 +35,13 @@ _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Decode batch sizes.
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Decode prompt length.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence.")
 _INT8 = flags.DEFINE_bool("int8_weights", False, "Decode with int8 weight-only weights.")
+_PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir",
+    "",
+    "Decode: after timing, trace one more generate call per batch size with the JAX "
+    "profiler into this folder and print where the device time went (kernels by total "
+    "time, launches per decode step).",
+)
 _PEAK_BW = flags.DEFINE_float(
     "peak_bandwidth",
     0.0,
@@ -64,7 +74,9 @@ def bench_train(config):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from gpt_oss_train import config as config_lib, metrics, sharding, steps
+
+    from gpt_oss_train import config as config_lib
+    from gpt_oss_train import metrics, sharding, steps
     from gpt_oss_train.model import ModelDef
 
     config_lib.validate(config)
@@ -143,12 +155,59 @@ def active_weight_bytes(mc, bytes_per_weight: float) -> float:
     return metrics.param_counts(mc)["active"] * bytes_per_weight
 
 
+def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
+    """Device time by kernel from the Perfetto trace `jax.profiler.trace` wrote: total
+    busy time, kernel launches per decode step, and the `top` kernels by total time.
+    Device events are those of processes named /device:... (GPU streams, TPU cores)."""
+    import collections
+    import glob
+    import gzip
+
+    paths = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not paths:
+        return {"trace": trace_dir, "error": "no perfetto_trace.json.gz written"}
+    with gzip.open(paths[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device_pids = {pid for pid, name in names.items() if name.startswith("/device:")}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    if not kernels:
+        return {"trace": paths[-1], "error": "no device events (a CPU run?)"}
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in kernels:
+        total[e["name"]] += e.get("dur", 0.0)
+        count[e["name"]] += 1
+    span = max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)
+    busy = sum(total.values())
+    return {
+        "trace": paths[-1],
+        "device_span_ms": span / 1e3,
+        "device_busy_ms": busy / 1e3,
+        "busy_share": busy / span if span else None,
+        "events": len(kernels),
+        "events_per_step": len(kernels) / steps,
+        "top": [
+            {"name": n[:120], "ms": t / 1e3, "count": count[n], "share": t / busy}
+            for n, t in total.most_common(top)
+        ],
+    }
+
+
 def bench_decode(config):
     """decode's benchmark (benchmarking.py) on random weights, plus the share of the
     memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
     import jax
     import numpy as np
-    from gpt_oss_train import benchmarking, config as config_lib, decode, quantize, sharding
+
+    from gpt_oss_train import benchmarking, decode, quantize, sharding
+    from gpt_oss_train import config as config_lib
     from gpt_oss_train.model import ModelDef
 
     config = decode.runtime_config(config)
@@ -172,6 +231,8 @@ def bench_decode(config):
         repeats=3,
         opts=opts,
     )
+    if _PROFILE_DIR.value:
+        _profile_decode(model, opts)
     wbytes = 1 if _INT8.value else np.dtype(mc.param_dtype).itemsize
     for row in rows:
         step_s = row["batch"] * 1.0 / row["decode_tok_s"]
@@ -191,6 +252,32 @@ def bench_decode(config):
                 active_weight_bytes(mc, wbytes) / step_s / (bw * jax.device_count())
             )
         _emit(record)
+
+
+def _profile_decode(model, opts):
+    """One traced generate call per batch size (already compiled by the benchmark)."""
+    import jax
+
+    from gpt_oss_train import benchmarking, decode
+    from gpt_oss_train.generate import cache_length
+
+    length, new = _PROMPT_LEN.value, _NEW_TOKENS.value
+    gen = model.generator(decode.prefill_chunk_for(opts.prefill_chunk, length), False)
+    for batch in [int(b) for b in _BATCH_SIZES.value]:
+        prompts = benchmarking.benchmark_prompts(model.cfg.vocab_size, batch, length, opts.seed)
+        out_dir = os.path.join(_PROFILE_DIR.value, f"batch{batch}")
+        with model.scope(), jax.profiler.trace(out_dir, create_perfetto_trace=True):
+            cache, last, lengths = gen.prefill(prompts, cache_length(length + new))
+            # decode returns host values: the call has finished when it returns
+            gen.decode(
+                cache,
+                last,
+                lengths,
+                max_len=cache_length(length + new),
+                max_new_tokens=new,
+                stop_ids=[],
+            )
+        _emit({"mode": "profile", "batch": batch, **summarize_trace(out_dir, steps=new)})
 
 
 def main(argv):

@@ -36,7 +36,9 @@ _PARAM_DTYPE = flags.DEFINE_enum(
 
 def hf_to_orbax(hf_dir: str, output_dir: str, param_dtype: str = "float32") -> dict:
     import jax
-    from gpt_oss_train import checkpoint, config as config_lib, hf, sharding
+
+    from gpt_oss_train import checkpoint, hf, sharding
+    from gpt_oss_train import config as config_lib
     from gpt_oss_train.model import ModelDef
 
     if checkpoint.find_step_dir(output_dir) is not None:
@@ -58,7 +60,9 @@ def hf_to_orbax(hf_dir: str, output_dir: str, param_dtype: str = "float32") -> d
 def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: bool = False) -> dict:
     import jax
     import numpy as np
-    from gpt_oss_train import checkpoint, config as config_lib, hf, sharding
+
+    from gpt_oss_train import checkpoint, hf, sharding
+    from gpt_oss_train import config as config_lib
     from gpt_oss_train.model import ModelDef
 
     if os.path.isdir(hf_out) and os.listdir(hf_out):

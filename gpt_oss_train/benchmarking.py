@@ -3,11 +3,17 @@ for transformers' `generate` on the same weights in the same run.
 
 Used by `decode --mode=benchmark` (a checkpoint) and `tools/benchmark.py --mode=decode`
 (random weights of any shape). Every figure is a median over repeats after a warm-up
-that compiles; decode is timed apart from prefill.
+that compiles; decode is timed apart from prefill. `summarize_trace` reads a JAX
+profiler trace of such a run: where the device time went, kernel by kernel.
 """
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
+import os
 import statistics
 import time
 from typing import Sequence
@@ -169,3 +175,44 @@ def format_table(rows: list[dict]) -> str:
     table = [cols] + [[cell(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table)
+
+
+def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
+    """Device time by kernel from the Perfetto trace `jax.profiler.trace` wrote: total
+    busy time, kernel launches per decode step, and the `top` kernels by total time.
+    Device events are those of processes named /device:... (GPU streams, TPU cores)."""
+    paths = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not paths:
+        return {"trace": trace_dir, "error": "no perfetto_trace.json.gz written"}
+    with gzip.open(paths[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device_pids = {pid for pid, name in names.items() if name.startswith("/device:")}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    if not kernels:
+        return {"trace": paths[-1], "error": "no device events (a CPU run?)"}
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in kernels:
+        total[e["name"]] += e.get("dur", 0.0)
+        count[e["name"]] += 1
+    span = max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)
+    busy = sum(total.values())
+    return {
+        "trace": paths[-1],
+        "device_span_ms": span / 1e3,
+        "device_busy_ms": busy / 1e3,
+        "busy_share": busy / span if span else None,
+        "events": len(kernels),
+        "events_per_step": len(kernels) / steps,
+        "top": [
+            {"name": n[:120], "ms": t / 1e3, "count": count[n], "share": t / busy}
+            for n, t in total.most_common(top)
+        ],
+    }

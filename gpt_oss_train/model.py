@@ -24,8 +24,8 @@ from absl import logging
 from flax import nnx
 
 from gpt_oss_train import attention as attn_lib
+from gpt_oss_train import embedding, quantize, sharding
 from gpt_oss_train import moe as moe_lib
-from gpt_oss_train import quantize, sharding
 from gpt_oss_train.config import ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -353,7 +353,7 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones((b, s), jnp.int32)
         valid = (segment_ids > 0) & (positions >= 0)
 
-        x = jnp.take(self.embed["embedding"][...], tokens, axis=0).astype(dt)
+        x = embedding.lookup(self.embed["embedding"][...], tokens, dt)
         x = sharding.constrain(x, ("batch", "length", "act_embed"))
         rope = rope_tables(cfg, positions)
 

@@ -155,51 +155,6 @@ def active_weight_bytes(mc, bytes_per_weight: float) -> float:
     return metrics.param_counts(mc)["active"] * bytes_per_weight
 
 
-def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
-    """Device time by kernel from the Perfetto trace `jax.profiler.trace` wrote: total
-    busy time, kernel launches per decode step, and the `top` kernels by total time.
-    Device events are those of processes named /device:... (GPU streams, TPU cores)."""
-    import collections
-    import glob
-    import gzip
-
-    paths = sorted(
-        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    )
-    if not paths:
-        return {"trace": trace_dir, "error": "no perfetto_trace.json.gz written"}
-    with gzip.open(paths[-1]) as f:
-        events = json.load(f)["traceEvents"]
-    names = {
-        e["pid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
-    device_pids = {pid for pid, name in names.items() if name.startswith("/device:")}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
-    if not kernels:
-        return {"trace": paths[-1], "error": "no device events (a CPU run?)"}
-    total = collections.Counter()
-    count = collections.Counter()
-    for e in kernels:
-        total[e["name"]] += e.get("dur", 0.0)
-        count[e["name"]] += 1
-    span = max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)
-    busy = sum(total.values())
-    return {
-        "trace": paths[-1],
-        "device_span_ms": span / 1e3,
-        "device_busy_ms": busy / 1e3,
-        "busy_share": busy / span if span else None,
-        "events": len(kernels),
-        "events_per_step": len(kernels) / steps,
-        "top": [
-            {"name": n[:120], "ms": t / 1e3, "count": count[n], "share": t / busy}
-            for n, t in total.most_common(top)
-        ],
-    }
-
-
 def bench_decode(config):
     """decode's benchmark (benchmarking.py) on random weights, plus the share of the
     memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
@@ -277,7 +232,7 @@ def _profile_decode(model, opts):
                 max_new_tokens=new,
                 stop_ids=[],
             )
-        _emit({"mode": "profile", "batch": batch, **summarize_trace(out_dir, steps=new)})
+        _emit({"mode": "profile", "batch": batch, **benchmarking.summarize_trace(out_dir, new)})
 
 
 def main(argv):

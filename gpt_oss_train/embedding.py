@@ -36,7 +36,11 @@ def lookup(table_vd, tokens_bs, dtype):
     t_spec = sharding.fit_spec(
         sharding.logical_to_spec(("vocab", "embed"), rules), table_vd.shape, mesh
     )
-    tok_axes, vocab_axes, embed_axes = _axes(tok[0]), _axes(t_spec[0]), _axes(t_spec[1])
+    tok_axes, vocab_axes, embed_axes = (
+        sharding.spec_axes(tok[0]),
+        sharding.spec_axes(t_spec[0]),
+        sharding.spec_axes(t_spec[1]),
+    )
     exchange = all(a in tok_axes for a in embed_axes)  # embed slices <-> batch rows
     if embed_axes and not exchange and any(a in tok_axes for a in embed_axes):
         # Embed split over batch and non-batch axes at once: leave it to the partitioner.
@@ -50,7 +54,7 @@ def lookup(table_vd, tokens_bs, dtype):
             tokens = jax.lax.all_gather(tokens, embed_axes, axis=0, tiled=True)
         if vocab_axes:
             v_local = table.shape[0]
-            idx = tokens - _flat_index(vocab_axes) * v_local
+            idx = tokens - sharding.axes_index(vocab_axes) * v_local
             mine = (idx >= 0) & (idx < v_local)
             x = jnp.take(table, jnp.clip(idx, 0, v_local - 1), axis=0)
             x = jax.lax.psum(jnp.where(mine[..., None], x, 0.0), vocab_axes)
@@ -64,30 +68,11 @@ def lookup(table_vd, tokens_bs, dtype):
         # Tokens replicated over the embed axes (a decode batch too small to split, say):
         # place this slice in a zero row and sum, so every device holds the whole row.
         d_local = x.shape[2]
-        full = jnp.zeros(x.shape[:2] + (d_local * _size(embed_axes),), x.dtype)
+        full = jnp.zeros(x.shape[:2] + (d_local * sharding.axes_size(embed_axes),), x.dtype)
         full = jax.lax.dynamic_update_slice_in_dim(
-            full, x, _flat_index(embed_axes) * d_local, axis=2
+            full, x, sharding.axes_index(embed_axes) * d_local, axis=2
         )
         return jax.lax.psum(full, embed_axes)
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(t_spec, tok), out_specs=jax.P(*tok, None))
     return fn(table_vd, tokens_bs)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _size(axes: tuple[str, ...]) -> int:
-    n = 1
-    for ax in axes:
-        n *= jax.lax.axis_size(ax)
-    return n
-
-
-def _flat_index(axes: tuple[str, ...]):
-    """This device's index along the product of `axes` (major to minor)."""
-    idx = 0
-    for ax in axes:
-        idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
-    return idx

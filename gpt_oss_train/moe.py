@@ -248,9 +248,9 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
     # Decode batches may not divide the batch shards: keep only the axes that divide.
     tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)
     exp_spec = spec("exp", None, "mlp")
-    exp_axes = _axes(exp_spec[0])
-    mlp_axes = _axes(exp_spec[2])
-    tok_axes = _axes(tok[0])
+    exp_axes = sharding.spec_axes(exp_spec[0])
+    mlp_axes = sharding.spec_axes(exp_spec[2])
+    tok_axes = sharding.spec_axes(tok[0])
     # Tokens are gathered over the axes that shard experts (each device then sees every
     # token its experts may receive) and stay sharded over the rest of the batch axes.
     gather_axes = tuple(a for a in tok_axes if a in exp_axes)
@@ -275,7 +275,7 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
         for ax in gather_axes:
             x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
         t, k = idx.shape
-        shard = _flat_index(exp_axes)
+        shard = sharding.axes_index(exp_axes)
         first = shard * local_e
         flat = idx.reshape(-1) - first
         mine = (flat >= 0) & (flat < local_e)
@@ -283,7 +283,7 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
         order = jnp.argsort(key, stable=True)
         group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
         # The output bias is added by one tensor shard only, so the psum adds it once.
-        add_bias = _flat_index(mlp_axes) == 0
+        add_bias = sharding.axes_index(mlp_axes) == 0
         y = _grouped_ffn(
             x[order // k],
             key[order],
@@ -313,18 +313,3 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
         local, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False
     )
     return fn(x_td, weights_tk, idx_tk, w)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _flat_index(axes: tuple[str, ...]):
-    """This device's index along the product of `axes` (major to minor)."""
-    idx = 0
-    for ax in axes:
-        idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
-    return idx
-
-
-EXPERT_IMPLS = {"dense": dense_experts, "ragged": ragged_experts, "sharded": sharded_experts}

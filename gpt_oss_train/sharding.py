@@ -253,3 +253,28 @@ def initialize_distributed():
         )
     elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"):
         jax.distributed.initialize()
+
+
+# ----------------------------------------------------------------------------- inside shard_map
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """The number of devices along the product of `axes` (inside shard_map)."""
+    n = 1
+    for ax in axes:
+        n *= jax.lax.axis_size(ax)
+    return n
+
+
+def axes_index(axes: tuple[str, ...]):
+    """This device's index along the product of `axes`, major to minor (inside shard_map);
+    the order in which tiled collectives over `axes` lay out the devices' blocks."""
+    idx = 0
+    for ax in axes:
+        idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
+    return idx

@@ -313,3 +313,6 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
         local, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False
     )
     return fn(x_td, weights_tk, idx_tk, w)
+
+
+EXPERT_IMPLS = {"dense": dense_experts, "ragged": ragged_experts, "sharded": sharded_experts}

@@ -2,9 +2,10 @@
 
 The table [vocab, embed] is FSDP-sharded along `embed`; tokens are sharded along the
 batch. Left to the partitioner, the backward pass scatter-adds every device's tokens
-into a full-size float32 table and reduce-scatters it afterwards: 2.16 GiB per chip for
-gpt-oss (201,088 x 2,880), the largest single buffer of the gpt-oss-20b step on a TPU
-v5e (tools/aot_compile.py). Under `shard_map` each device instead looks up its own slice
+into a full-size float32 table and reduce-scatters it afterwards: a 2.16 GiB buffer and
+a 2.16 GiB reduce-scatter per step for gpt-oss (201,088 x 2,880) on a TPU v5e
+(tools/aot_compile.py; the step's peak memory is set elsewhere, see
+docs/PERFORMANCE.md). Under `shard_map` each device instead looks up its own slice
 of `embed` for the tokens of every device sharing that slice, and one all-to-all trades
 embed slices for batch rows:
 

@@ -104,9 +104,9 @@ def _grouped_ffn(
 
 # On GPU, XLA rewrites a matrix-vector product into a column reduction, which reads the
 # gathered expert weights at ~0.5 TB/s on an H200 (0.40 ms per gpt-oss-20b layer at batch
-# 1). Giving each product 16 rows, 15 of them zero, makes it a batched GEMM instead: 0.23
-# ms (docs/PERFORMANCE.md). The extra FLOPs are free on a GPU
-# at decode sizes but not on a CPU, so other platforms keep one row.
+# 1). Giving each product 16 rows, 15 of them zero, makes it a batched GEMM instead:
+# 0.23 ms (docs/PERFORMANCE.md). The extra FLOPs are free on a GPU at decode sizes but
+# not on a CPU, so other platforms keep one row.
 GPU_GEMV_ROWS = 16
 
 

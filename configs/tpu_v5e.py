@@ -8,7 +8,7 @@ ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequen
 Checked from a CPU with the compiler the pod runs (libtpu 0.0.42.1, jax 0.10.2's pin;
 the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-26:
   python tools/aot_compile.py --config=configs/tpu_v5e.py --topology=v5e:16x16
-  -> state 1.31 GiB, temporaries 12.90 GiB, total 14.46 GiB of 16 GiB per chip: fits.
+  -> state 1.31 GiB, temporaries 12.90 GiB, total 14.47 GiB of 16 GiB per chip: fits.
 With expert=8 the same step needed 21.8 GiB (17.1 GiB with libtpu 0.0.52).
 Pass `:gpt-oss-120b` for the 120b shape: it fits v5p:8x8x8 (512 chips) at 49 GiB of
 95 with --config.mesh.expert=16 --config.train.global_batch_size=512 (measured with

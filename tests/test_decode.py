@@ -22,6 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_parity import hf_tiny_config  # noqa: E402
+
 from gpt_oss_train import chat, decode  # noqa: E402
 from gpt_oss_train.generate import Generator  # noqa: E402
 from gpt_oss_train.tokenizer import Tokenizer  # noqa: E402
@@ -31,29 +33,8 @@ VOCAB = 201088
 
 
 def _hf_config():
-    return transformers.GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        intermediate_size=64,
-        sliding_window=8,
-        max_position_embeddings=4096,
-        rope_parameters=dict(
-            rope_type="yarn",
-            rope_theta=150000.0,
-            factor=32.0,
-            original_max_position_embeddings=4096,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            truncate=False,
-        ),
-        attn_implementation="eager",
-    )
+    # test_parity's tiny model, with the real vocabulary (for the real tokenizer) and 2 layers
+    return hf_tiny_config(vocab_size=VOCAB, num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -66,13 +66,13 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from gpt_oss_train import checkpoint as ckpt_lib
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import loss as loss_lib
 from gpt_oss_train import sharding
-from gpt_oss_train import tokenizer as tok_lib
-from gpt_oss_train.generate import Generator, SamplingParams, cache_length
-from gpt_oss_train.model import DTYPES, ModelDef
+from gpt_oss_train.inference.generate import Generator, SamplingParams, cache_length
+from gpt_oss_train.io import tokenizer as tok_lib
+from gpt_oss_train.model.transformer import DTYPES, ModelDef
+from gpt_oss_train.training import checkpoint as ckpt_lib
+from gpt_oss_train.training import loss as loss_lib
 
 # Raw text ends on <|endoftext|> as well as Harmony's end-of-turn ids (HF's eos ids).
 TEXT_STOP_IDS = tuple(sorted({tok_lib.ENDOFTEXT_ID, *tok_lib.Tokenizer.stop_ids}))
@@ -139,7 +139,7 @@ def checkpoint_kind(path: str) -> str:
 
 
 def read_architecture(path: str, kind: str) -> dict:
-    from gpt_oss_train import hf
+    from gpt_oss_train.io import hf
 
     try:
         arch = (
@@ -220,7 +220,7 @@ def load_model(
         if kind == "orbax":
             params = ckpt_lib.load_params(path, abstract)[0]
         else:
-            from gpt_oss_train import hf
+            from gpt_oss_train.io import hf
 
             params = hf.load_sharded(path, abstract)
     except (ValueError, OSError) as e:
@@ -229,7 +229,7 @@ def load_model(
         md, params, mesh, rules, kind, os.path.abspath(path), config.train.loss_chunk_size
     )
     if int8_weights:
-        from gpt_oss_train import quantize
+        from gpt_oss_train.model import quantize
 
         with model.scope():
             model.params = jax.jit(quantize.quantize_params)(params)
@@ -580,7 +580,7 @@ def evaluate_data(
 ) -> dict:
     """Mean next-token loss over the first num_batches batches of a source's eval split
     (one pass, no shuffling: the same batches every run), as training's evaluation."""
-    from gpt_oss_train import data as data_lib
+    from gpt_oss_train.training import data as data_lib
 
     divisor = sharding.batch_divisor(model.mesh, model.rules)
     if batch_size % divisor:
@@ -821,10 +821,15 @@ def _run(f) -> int:
                 json.dump(result, out)
         return 0
     if f.mode == "chat":
-        from gpt_oss_train import chat
+        from gpt_oss_train.inference import chat
 
         return chat.run_chat(model, opts)
-    from gpt_oss_train.benchmarking import benchmark, benchmark_prompts, format_table, hf_benchmark
+    from gpt_oss_train.inference.benchmarking import (
+        benchmark,
+        benchmark_prompts,
+        format_table,
+        hf_benchmark,
+    )
 
     rows = benchmark(
         model,
@@ -857,7 +862,7 @@ def _run(f) -> int:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from gpt_oss_train.metrics import quiet_library_logs
+    from gpt_oss_train.training.metrics import quiet_library_logs
 
     quiet_library_logs()
     try:

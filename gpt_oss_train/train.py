@@ -24,13 +24,18 @@ import jax.numpy as jnp
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from gpt_oss_train import checkpoint as ckpt_lib
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import data as data_lib
-from gpt_oss_train import metrics as metrics_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model import ModelDef
-from gpt_oss_train.steps import make_eval_step, make_optimizer, make_train_step, opt_state_shardings
+from gpt_oss_train.model.transformer import ModelDef
+from gpt_oss_train.training import checkpoint as ckpt_lib
+from gpt_oss_train.training import data as data_lib
+from gpt_oss_train.training import metrics as metrics_lib
+from gpt_oss_train.training.steps import (
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    opt_state_shardings,
+)
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_tiny.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
@@ -46,7 +51,7 @@ def resolve_architecture(config) -> dict:
     if src:
         if not os.path.exists(src):
             raise config_lib.ConfigError(f"config.checkpoint.init_from: {src} does not exist")
-        from gpt_oss_train import hf
+        from gpt_oss_train.io import hf
 
         if ckpt_lib.is_orbax_checkpoint(src):
             arch = ckpt_lib.read_model_config(src)
@@ -63,7 +68,7 @@ def resolve_architecture(config) -> dict:
 
 
 def load_init_params(src: str, model_def: ModelDef, mesh, rules):
-    from gpt_oss_train import hf
+    from gpt_oss_train.io import hf
 
     abstract = model_def.abstract_params(mesh, rules)
     if ckpt_lib.is_orbax_checkpoint(src):

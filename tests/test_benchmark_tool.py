@@ -45,7 +45,7 @@ def test_trace_summary_adds_device_kernel_time(tmp_path):
     kernels are summed by name, and launches are counted per decode step."""
     import gzip
 
-    from gpt_oss_train.benchmarking import summarize_trace
+    from gpt_oss_train.inference.benchmarking import summarize_trace
 
     events = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},

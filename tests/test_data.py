@@ -1,4 +1,4 @@
-"""Tests of gpt_oss_train.data, gpt_oss_train.sources and tools/pretokenize.py: sources,
+"""Tests of gpt_oss_train.training.data and .sources, and tools/pretokenize.py: sources,
 packing, determinism, resume, process sharding, and the errors a user can cause. The
 expected token streams are computed here straight from the tokenizer, independently of
 the pipeline."""
@@ -19,8 +19,8 @@ import grain
 import numpy as np
 import pytest
 
-from gpt_oss_train import data, sources
-from gpt_oss_train.tokenizer import Tokenizer
+from gpt_oss_train.io.tokenizer import Tokenizer
+from gpt_oss_train.training import data, sources
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 64

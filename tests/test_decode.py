@@ -25,8 +25,8 @@ transformers = pytest.importorskip("transformers")
 from test_parity import hf_tiny_config  # noqa: E402
 
 from gpt_oss_train import chat, decode  # noqa: E402
-from gpt_oss_train.generate import Generator  # noqa: E402
-from gpt_oss_train.tokenizer import Tokenizer  # noqa: E402
+from gpt_oss_train.inference.generate import Generator  # noqa: E402
+from gpt_oss_train.io.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 201088
@@ -207,7 +207,7 @@ def test_score_matches_transformers(hf_dir, hf_model):
 
 
 def test_score_of_text_equals_training_loss(workdir):
-    from gpt_oss_train.steps import make_loss_fn  # what the train step uses
+    from gpt_oss_train.training.steps import make_loss_fn  # what the train step uses
 
     model = decode.load_model(workdir, dtype="float32")
     text = "def add(a, b):\n    return a + b\n"

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import embedding, sharding
+from gpt_oss_train import sharding
+from gpt_oss_train.model import embedding
 
 V, D, S = 48, 16, 5
 

@@ -8,9 +8,10 @@ import torch
 from test_parity import WINDOW, random_hf_model
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import hf, quantize
-from gpt_oss_train.generate import Generator, SamplingParams
-from gpt_oss_train.model import ModelDef
+from gpt_oss_train.inference.generate import Generator, SamplingParams
+from gpt_oss_train.io import hf
+from gpt_oss_train.model import quantize
+from gpt_oss_train.model.transformer import ModelDef
 
 # prompts shorter and longer than the window (8) and the ring (max(8, chunk 16) = 16)
 PROMPTS = [list(np.random.RandomState(1).randint(0, 300, 40)), [5, 9, 200, 17], [3] * 11]
@@ -96,7 +97,7 @@ def test_sampling_is_reproducible_per_request(models):
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
-    from gpt_oss_train.generate import _sample
+    from gpt_oss_train.inference.generate import _sample
 
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.vmap(jax.random.key)(jnp.array([0], jnp.uint32))

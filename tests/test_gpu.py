@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train import moe
+from gpt_oss_train.model import moe
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu"

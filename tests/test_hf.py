@@ -1,4 +1,4 @@
-"""Tests for gpt_oss_train.hf and hf_config: HF safetensors <-> our tree (MXFP4 folders
+"""Tests for gpt_oss_train.io.hf and hf_config: HF safetensors <-> our tree (MXFP4 folders
 included), config mapping. The MXFP4 codec itself is tested in test_mxfp4.py.
 
 The reference is transformers' own GptOssForCausalLM: tiny random models are written with
@@ -23,9 +23,9 @@ from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
 from gpt_oss_train import config as config_lib  # noqa: E402
 from gpt_oss_train import hf, hf_config  # noqa: E402
-from gpt_oss_train.hf import HFCheckpoint, load_params, save_hf  # noqa: E402
-from gpt_oss_train.hf_config import hf_config_to_model_dict, model_dict_to_hf_config  # noqa: E402
-from gpt_oss_train.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from gpt_oss_train.io.hf import HFCheckpoint, load_params, save_hf  # noqa: E402
+from gpt_oss_train.io.hf_config import hf_config_to_model_dict, model_dict_to_hf_config  # noqa: E402
+from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 
 # Tiny but asymmetric: N*H (96) != D (64), 2F (192) != D, F (96) != D; D and F divisible by 32.
 V, D, L, N, K, H, E, TOPK, F, W = 301, 64, 4, 4, 2, 24, 4, 2, 96, 8

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import loss as loss_lib
 from gpt_oss_train import sharding
+from gpt_oss_train.training import loss as loss_lib
 
 B, S, D, V = 8, 12, 16, 40  # S=12 with chunk 5: two full chunks and a padded one
 

@@ -1,4 +1,4 @@
-"""Tests for gpt_oss_train.metrics: FLOPs, parameter counts, peak table, metrics sink."""
+"""Tests for gpt_oss_train.training.metrics: FLOPs, parameter counts, peak table, metrics sink."""
 
 import json
 import math
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpt_oss_train.metrics import (
+from gpt_oss_train.training.metrics import (
     MetricsWriter,
     StepTimer,
     attention_pairs,

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train import attention as attn_lib
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import moe as moe_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model import ModelDef, rope_frequencies
+from gpt_oss_train.model import attention as attn_lib
+from gpt_oss_train.model import moe as moe_lib
+from gpt_oss_train.model.transformer import ModelDef, rope_frequencies
 
 
 def tiny_cfg(**kw):
@@ -338,7 +338,7 @@ def test_decode_sized_batches_take_the_gathered_path_and_match_reference():
     )
     np.testing.assert_allclose(got16, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     # and the int8 weights gather only what they need, still close to the float path
-    from gpt_oss_train import quantize
+    from gpt_oss_train.model import quantize
 
     qw = ew._replace(
         wi_gate=quantize.quantize_int8(ew.wi_gate, (1,)), wo=quantize.quantize_int8(ew.wo, (1,))

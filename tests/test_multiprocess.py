@@ -141,7 +141,7 @@ def _iterator_state(ckpt_dir: str, step: int, process: int) -> dict:
 def _expected_iterator_state(process: int, batches: int) -> dict:
     """The state process `process` must have after `batches` batches: its own pipeline,
     rebuilt here without JAX, advanced the same number of steps."""
-    from gpt_oss_train import data as data_lib
+    from gpt_oss_train.training import data as data_lib
 
     pipeline = data_lib.make_pipeline(
         "stdlib",

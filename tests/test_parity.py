@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import hf, sharding
-from gpt_oss_train.model import ModelDef
+from gpt_oss_train import sharding
+from gpt_oss_train.io import hf
+from gpt_oss_train.model.transformer import ModelDef
 
 transformers = pytest.importorskip("transformers")
 

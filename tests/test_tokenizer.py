@@ -1,4 +1,4 @@
-"""Tests of gpt_oss_train.tokenizer: offline vocabulary, text ids, Harmony chat render/parse."""
+"""Tests of gpt_oss_train.io.tokenizer: offline vocabulary, text ids, Harmony chat render/parse."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from openai_harmony import (
     TextContent,
 )
 
-from gpt_oss_train import tokenizer as tk
+from gpt_oss_train.io import tokenizer as tk
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 UNREACHABLE_PROXY = "http://127.0.0.1:9"  # discard port: nothing listens, connects fail fast
@@ -71,7 +71,7 @@ def test_fresh_process_renders_and_parses_without_network(tmp_path):
     script = textwrap.dedent(
         """
         import json, os
-        from gpt_oss_train.tokenizer import Tokenizer
+        from gpt_oss_train.io.tokenizer import Tokenizer
         tok = Tokenizer()
         prompt = tok.render_chat([{"role": "user", "content": "Hi"}])
         completion = ([200005] + tok.encode("final") + [200008] + tok.encode("Hello!") + [200002])

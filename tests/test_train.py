@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train import checkpoint as ckpt_lib
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import data as data_lib
-from gpt_oss_train import steps as steps_lib
 from gpt_oss_train import train as train_lib
-from gpt_oss_train.model import ModelDef
+from gpt_oss_train.model.transformer import ModelDef
+from gpt_oss_train.training import checkpoint as ckpt_lib
+from gpt_oss_train.training import data as data_lib
+from gpt_oss_train.training import steps as steps_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,7 +139,7 @@ def _cli(workdir, *overrides):
 
 
 def _losses(workdir):
-    from gpt_oss_train.metrics import read_metrics_jsonl
+    from gpt_oss_train.training.metrics import read_metrics_jsonl
 
     return {
         r["step"]: r["loss"]
@@ -276,7 +276,7 @@ def test_finetune_init_from_hf_then_from_orbax(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from gpt_oss_train import hf
+    from gpt_oss_train.io import hf
 
     torch.manual_seed(0)
     hc = transformers.GptOssConfig(

@@ -132,8 +132,9 @@ def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
     import jax.numpy as jnp
 
     from gpt_oss_train import config as config_lib
-    from gpt_oss_train import metrics, sharding, steps
-    from gpt_oss_train.model import ModelDef
+    from gpt_oss_train import sharding
+    from gpt_oss_train.model.transformer import ModelDef
+    from gpt_oss_train.training import metrics, steps
 
     config_lib.validate(config)
     t = config.train

@@ -76,8 +76,9 @@ def bench_train(config):
     import numpy as np
 
     from gpt_oss_train import config as config_lib
-    from gpt_oss_train import metrics, sharding, steps
-    from gpt_oss_train.model import ModelDef
+    from gpt_oss_train import sharding
+    from gpt_oss_train.model.transformer import ModelDef
+    from gpt_oss_train.training import metrics, steps
 
     config_lib.validate(config)
     t = config.train
@@ -150,7 +151,7 @@ def bench_train(config):
 def active_weight_bytes(mc, bytes_per_weight: float) -> float:
     """Weights one decode step must read for one token: attention, router, k experts per
     layer, the unembedding ("active" parameters leave out the embedding, a one-row gather)."""
-    from gpt_oss_train import metrics
+    from gpt_oss_train.training import metrics
 
     return metrics.param_counts(mc)["active"] * bytes_per_weight
 
@@ -161,9 +162,11 @@ def bench_decode(config):
     import jax
     import numpy as np
 
-    from gpt_oss_train import benchmarking, decode, quantize, sharding
     from gpt_oss_train import config as config_lib
-    from gpt_oss_train.model import ModelDef
+    from gpt_oss_train import decode, sharding
+    from gpt_oss_train.inference import benchmarking
+    from gpt_oss_train.model import quantize
+    from gpt_oss_train.model.transformer import ModelDef
 
     config = decode.runtime_config(config)
     mc = config_lib.ModelConfig.from_config(config)
@@ -213,8 +216,9 @@ def _profile_decode(model, opts):
     """One traced generate call per batch size (already compiled by the benchmark)."""
     import jax
 
-    from gpt_oss_train import benchmarking, decode
-    from gpt_oss_train.generate import cache_length
+    from gpt_oss_train import decode
+    from gpt_oss_train.inference import benchmarking
+    from gpt_oss_train.inference.generate import cache_length
 
     length, new = _PROMPT_LEN.value, _NEW_TOKENS.value
     gen = model.generator(decode.prefill_chunk_for(opts.prefill_chunk, length), False)

@@ -3,7 +3,7 @@
   python tools/pretokenize.py --source=stdlib --output=/data/stdlib_tok [--split=train]
       [--shard_size=10000]
 
---source takes any spec `gpt_oss_train.sources.make_source` does. Each record is one
+--source takes any spec `gpt_oss_train.training.sources.make_source` does. Each record is one
 document: its int32 ids (plain text ends with eos), followed by its int32 loss mask when
 the corpus holds chats. `pretokenized.json` (tokenizer, dtype, counts, files) is written
 last, so a directory without it is an interrupted run. Train on the result with
@@ -26,7 +26,7 @@ from absl import app, flags, logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpt_oss_train import data, sources  # noqa: E402
-from gpt_oss_train.tokenizer import VOCAB_SIZE, Tokenizer  # noqa: E402
+from gpt_oss_train.io.tokenizer import VOCAB_SIZE, Tokenizer  # noqa: E402
 
 _SOURCE = flags.DEFINE_string("source", None, "Corpus spec: stdlib, tfds:NAME, a path or glob.")
 _OUTPUT = flags.DEFINE_string("output", None, "New or empty directory for the shards.")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from gpt_oss_train.generate import cache_length
+from gpt_oss_train.inference.generate import cache_length
 
 
 def benchmark_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:

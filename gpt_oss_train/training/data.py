@@ -1,6 +1,6 @@
 """Input pipelines: documents -> token ids -> packed rows -> per-process batches.
 
-Documents come from `gpt_oss_train.sources` (`make_source`: a spec such as stdlib, a
+Documents come from `gpt_oss_train.training.sources` (`make_source`: a spec such as stdlib, a
 path, tfds:NAME or chat:PATH); `make_pipeline` takes a spec or a source.
 
 Documents. Plain text becomes `encode(text) + [eos]` with every token trained; a chat
@@ -31,9 +31,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from gpt_oss_train.io.tokenizer import PAD_ID
+
 # DataError is raised here too; callers catch it as data.DataError.
-from gpt_oss_train.sources import Chat, DataError, make_source, replaced_bytes
-from gpt_oss_train.tokenizer import PAD_ID
+from gpt_oss_train.training.sources import Chat, DataError, make_source, replaced_bytes
 
 EXAMPLE_KEYS = ("inputs", "targets", "loss_mask")
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -45,7 +46,7 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 @functools.cache
 def _tokenizer():
     # Built lazily in each process (grain workers too): the harmony encoding is not picklable.
-    from gpt_oss_train.tokenizer import Tokenizer
+    from gpt_oss_train.io.tokenizer import Tokenizer
 
     return Tokenizer()
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gpt_oss_train import loss as loss_lib
-from gpt_oss_train.model import DTYPES, ModelDef
+from gpt_oss_train.model.transformer import DTYPES, ModelDef
+from gpt_oss_train.training import loss as loss_lib
 
 
 def _decays(path, _) -> bool:

@@ -23,10 +23,11 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from gpt_oss_train import attention as attn_lib
-from gpt_oss_train import embedding, quantize, sharding
-from gpt_oss_train import moe as moe_lib
+from gpt_oss_train import sharding
 from gpt_oss_train.config import ModelConfig
+from gpt_oss_train.model import attention as attn_lib
+from gpt_oss_train.model import embedding, quantize
+from gpt_oss_train.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

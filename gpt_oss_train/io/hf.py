@@ -28,8 +28,8 @@ On-disk layout (checked against transformers 5.24 ``save_pretrained``; per layer
 MXFP4 folders (``quantization_config.quant_method == "mxfp4"``) replace the two expert
 matrices by ``{gate_up,down}_proj_blocks`` uint8 [E, out, in/32, 16] and
 ``{gate_up,down}_proj_scales`` uint8 [E, out, in/32] (note: (out, in) order, unlike the
-dense tensors); the codec is :mod:`gpt_oss_train.mxfp4`. config.json is mapped by
-:mod:`gpt_oss_train.hf_config`, the file format read by :mod:`gpt_oss_train.safetensors_io`.
+dense tensors); the codec is :mod:`gpt_oss_train.io.mxfp4`. config.json is mapped by
+:mod:`gpt_oss_train.io.hf_config`, the file format read by :mod:`gpt_oss_train.io.safetensors_io`.
 
 Our tree (the contract with the model) groups HF layers in 2-layer blocks: HF layer 2i is
 block i of ``blocks/sliding``, HF layer 2i+1 is block i of ``blocks/full``; every block
@@ -48,14 +48,14 @@ from typing import Any, Callable, Mapping
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
-from gpt_oss_train.hf_config import (
+from gpt_oss_train.io.hf_config import (
     check_model_dict,
     generation_config,
     hf_config_to_model_dict,
     model_dict_to_hf_config,
 )
-from gpt_oss_train.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from gpt_oss_train.safetensors_io import (
+from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from gpt_oss_train.io.safetensors_io import (
     FLOAT_DTYPES,
     ST_DTYPES,
     TensorInfo,

@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from gpt_oss_train.config import ModelConfig
-from gpt_oss_train.model import DTYPES, KVCache, ModelDef
+from gpt_oss_train.model.transformer import DTYPES, KVCache, ModelDef
 
 
 @dataclasses.dataclass(frozen=True)

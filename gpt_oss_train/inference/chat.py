@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 import sys
 
-from gpt_oss_train import tokenizer as tok_lib
-from gpt_oss_train.generate import cache_length
+from gpt_oss_train.inference.generate import cache_length
+from gpt_oss_train.io import tokenizer as tok_lib
 
 
 class ReplyPrinter:

@@ -1,0 +1,1 @@
+"""Files in and out: Hugging Face folders, MXFP4, safetensors, the tokenizer."""

@@ -1,0 +1,1 @@
+"""The network: transformer, attention and MoE back-ends, embedding, quantization."""

@@ -1,0 +1,1 @@
+"""Training: optimizer step, loss, data, checkpoints, metrics."""

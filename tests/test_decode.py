@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 from test_parity import hf_tiny_config  # noqa: E402
 
-from gpt_oss_train import chat, decode  # noqa: E402
+from gpt_oss_train import decode  # noqa: E402
+from gpt_oss_train.inference import chat  # noqa: E402
 from gpt_oss_train.inference.generate import Generator  # noqa: E402
 from gpt_oss_train.io.tokenizer import Tokenizer  # noqa: E402
 

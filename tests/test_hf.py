@@ -22,7 +22,7 @@ from test_mxfp4 import dequant_ref  # noqa: E402
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
 from gpt_oss_train import config as config_lib  # noqa: E402
-from gpt_oss_train import hf, hf_config  # noqa: E402
+from gpt_oss_train.io import hf, hf_config  # noqa: E402
 from gpt_oss_train.io.hf import HFCheckpoint, load_params, save_hf  # noqa: E402
 from gpt_oss_train.io.hf_config import hf_config_to_model_dict, model_dict_to_hf_config  # noqa: E402
 from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402

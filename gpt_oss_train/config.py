@@ -125,7 +125,7 @@ DEFAULT_RULES = (
 )
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
-ATTENTION_IMPLS = ("xla", "blockwise", "splash")
+ATTENTION_IMPLS = ("xla", "blockwise", "splash", "flash")
 MOE_IMPLS = ("dense", "ragged", "sharded")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -20,6 +20,8 @@ Back-ends:
              Self-attention over a sequence (training, prefill).
   splash     TPU Pallas splash attention, which takes the sinks itself; under shard_map
              over batch and heads.
+  flash      GPU Pallas (Triton) flash attention with sinks, window and segments, forward
+             and backward (flash_attention.py); under shard_map over batch and heads.
 """
 
 from __future__ import annotations
@@ -200,4 +202,10 @@ def attention(
         if sharding.platform() != "tpu":
             raise ValueError("config.attention_impl='splash' needs a TPU; use 'blockwise' or 'xla'")
         return splash_attention(q, k, v, sinks, q_seg, window)
+    if impl == "flash":
+        from gpt_oss_train.model import flash_attention as flash
+
+        if sharding.platform() != "gpu" and not flash.interpreting():
+            raise ValueError("config.attention_impl='flash' needs a GPU; use 'blockwise' or 'xla'")
+        return flash.flash_attention_on_mesh(q, k, v, sinks, q_pos, q_seg, window)
     raise ValueError(f"unknown attention_impl {impl!r}")

@@ -247,23 +247,29 @@ def test_bfloat16_kernels_are_as_accurate_as_xla_in_bfloat16():
         assert flash_err <= 2 * xla_err + 2**-9, (xla_err, flash_err)
 
 
-def test_bench_attention_tool_reports_each_backend():
-    """tools/bench_attention.py as a user runs it (interpret mode, tiny shapes): one JSON
-    record per back-end, flash compared with blockwise."""
+def run_tool(script: str, *args: str) -> list[dict]:
+    """Run tools/<script> on the CPU as a user would; its JSON records."""
     import json
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run(
-        [sys.executable, "tools/bench_attention.py", "--seq_lens=48", "--windows=8", "--heads=2",
-         "--kv_heads=1", "--head_dim=16", "--block=16", "--steps=1", "--interpret"],
-        cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, f"tools/{script}", *args]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_bench_attention_tool_reports_each_backend():
+    """tools/bench_attention.py in interpret mode on tiny shapes: one JSON record per
+    back-end, flash compared with blockwise."""
+    rows = run_tool(
+        "bench_attention.py", "--seq_lens=48", "--windows=8", "--heads=2", "--kv_heads=1",
+        "--head_dim=16", "--block=16", "--steps=1", "--interpret",
+    )  # fmt: skip
     assert [row["impl"] for row in rows] == ["blockwise", "flash"]
     assert all(row["ms"] > 0 and row["seq_len"] == 48 and row["window"] == 8 for row in rows)
     diffs = rows[1]["max_diff_vs_blockwise"]  # bf16 operands: a few bf16 ulps, not O(1)

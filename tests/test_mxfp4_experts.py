@@ -1,6 +1,6 @@
 """MXFP4 decode experts (model/mxfp4_experts.py): the in-kernel E2M1/E8M0 decoding against
-the numpy codec, the routing tile layout, and the whole expert FFN in Pallas interpret mode
-against dequantize-then-multiply in float64. The compiled-kernel check needs a GPU."""
+the numpy codec, and the whole expert FFN in Pallas interpret mode against
+dequantize-then-multiply in float64. The compiled-kernel check needs a GPU."""
 
 import re
 
@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_decode_experts import ALPHA, LIMIT, numpy_ffn
 
 from gpt_oss_train.io.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+from gpt_oss_train.model import decode_experts as dex
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model import mxfp4_experts as mx
-
-LIMIT, ALPHA = 7.0, 1.702
 
 
 def test_in_kernel_decoding_matches_the_codec():
@@ -22,35 +22,6 @@ def test_in_kernel_decoding_matches_the_codec():
     scales = jnp.arange(1, 255, dtype=jnp.uint8)  # 2^-126 .. 2^127: every normal float32 power
     expected = np.ldexp(np.float32(1), np.arange(1, 255) - 127)
     np.testing.assert_array_equal(np.asarray(mx._e8m0(scales)), expected)
-
-
-def test_tile_layout_puts_each_pair_in_a_tile_of_its_expert():
-    rng = np.random.RandomState(0)
-    for t, k, e, skew in ((1, 4, 32, False), (64, 4, 32, False), (40, 2, 8, True)):
-        idx = rng.randint(0, e, (t, k))
-        if skew:
-            idx[:, 0] = 3  # one expert takes every token: 40 rows, 3 tiles
-        lay = jax.jit(mx._tile_layout, static_argnums=1)(jnp.asarray(idx, jnp.int32), e)
-        rows = np.asarray(lay.pair_row)
-        tile_expert = np.asarray(lay.tile_expert)
-        assert len(set(rows.tolist())) == t * k  # no two pairs share a row
-        np.testing.assert_array_equal(tile_expert[rows // mx.ROWS], idx.reshape(-1))
-        counts = np.bincount(idx.reshape(-1), minlength=e)
-        used = int((-(-counts // mx.ROWS)).sum())
-        assert np.all(tile_expert[:used] >= 0) and np.all(tile_expert[used:] == -1)
-        assert np.all(np.diff(tile_expert[:used]) >= 0)  # tiles in expert order
-
-
-def _numpy_ffn(x, weights, idx, w):
-    """float64, straight from the definition (see moe.py), on dense [E, in, out] weights."""
-    out = np.zeros((x.shape[0], w["wo"].shape[2]))
-    for t in range(x.shape[0]):
-        for weight, e in zip(weights[t], idx[t]):
-            gate = np.minimum(x[t] @ w["wi_gate"][e] + w["bi_gate"][e], LIMIT)
-            up = np.clip(x[t] @ w["wi_up"][e] + w["bi_up"][e], -LIMIT, LIMIT)
-            act = gate / (1 + np.exp(-ALPHA * gate)) * (up + 1)
-            out[t] += weight * (act @ w["wo"][e] + w["bo"][e])
-    return out
 
 
 def _case(t, k, e, d, f, seed, one_expert=False):
@@ -89,7 +60,7 @@ def test_ffn_matches_float64_dequantize_then_multiply(t, k, e, one_expert):
     to 8), through the interpreted kernel in float32, against float64 numpy."""
     d, f = 96, 64
     x, weights, idx, dense, experts = _case(t, k, e, d, f, seed=t, one_expert=one_expert)
-    ref = _numpy_ffn(x, weights, idx, dense)
+    ref = numpy_ffn(x, weights, idx, dense)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     run = jax.jit(
         lambda *a: mx.mxfp4_ffn(*a, limit=LIMIT, alpha=ALPHA, dtype=jnp.float32, interpret=True)
@@ -127,7 +98,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     s = jax.ShapeDtypeStruct
     gp = -(-(d // 32) // mx.GROUP_TILE) * mx.GROUP_TILE
     mat = lambda o: mx.MXFP4Matrix(s((e, o, gp * 16), jnp.uint8), s((e, o, gp), jnp.uint8))
-    experts = mx.MXFP4Experts(
+    experts = dex.DecodeExperts(
         mat(2 * f), s((e, 2 * f), jnp.float32), mat(d), s((e, d), jnp.float32)
     )
     fn = lambda x, w, i, ex: mx.mxfp4_ffn(x, w, i, ex, limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16)
@@ -138,7 +109,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     )(s((t, d), jnp.bfloat16), s((t, k), jnp.float32), s((t, k), jnp.int32), experts)
     assert (
         re.findall(r'name = "(gpt_oss_\w+)"', exported.mlir_module())
-        == ["gpt_oss_mxfp4_experts"] * 2
+        == ["gpt_oss_mxfp4_kernel"] * 2
     )
 
 

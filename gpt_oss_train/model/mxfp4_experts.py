@@ -1,6 +1,6 @@
 """MXFP4 experts for decode: the checkpoint's 4-bit weights stay 4-bit in device memory and
-are dequantized inside a Pallas kernel (GPU: Triton lowering) that reads only the experts
-the tokens chose. gpt-oss-20b's experts take 12 GiB this way instead of 39 GiB in bf16.
+are dequantized inside the decode expert kernel (decode_experts.py: only the chosen experts
+are read). gpt-oss-20b's experts take 12 GiB this way instead of 39 GiB in bf16.
 
 Layout, prepared once at load (`prepare_matrix`, numpy): for each projection, uint8
 blocks [E, O, Gp*16] and scales [E, O, Gp] in the checkpoint's (out, in) order, i.e.
@@ -8,15 +8,7 @@ contraction-minor, with the 32-element groups padded from G = in/32 to Gp (a mul
 GROUP_TILE; padding bytes are code 0 = +0.0). Byte c of a row holds input elements 2c (low
 nibble) and 2c+1 (high nibble), so the kernel never interleaves nibbles: the activations
 are split into their even and odd elements instead, and row . x = lo . x_even + hi . x_odd.
-gate and up are stacked along O (gate rows first), so one kernel call computes both.
-
-The kernel multiplies rows grouped by expert in tiles of ROWS rows (the tile-padded sorted
-order of `_tile_layout`: each tile belongs to one expert, an expert's last tile is padded
-with zero rows). Its grid is (tile, output block); each program reads its tile's expert
-index from memory, and tiles past the used ones (expert -1) return at once, so a decode
-step reads each chosen expert once and no other expert, at any batch size. At batch 1
-(4 pairs) that is 4 tiles of 16 rows, 15 of them zero: the "pad the GEMV to 16 rows" shape
-that made XLA's gathered path a GEMM on an H200 (docs/PERFORMANCE.md).
+gate and up are stacked along O (gate rows first), as in the bf16 decode layout.
 """
 
 from __future__ import annotations
@@ -29,12 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gpt_oss_train.io.mxfp4 import quantize_mxfp4
+from gpt_oss_train.model import decode_experts as dex
 from gpt_oss_train.model import moe as moe_lib
 
-ROWS = 16  # rows per tile: Triton's smallest matmul side
 GROUP_TILE = 8  # 32-element groups per inner step: 256 inputs, 128 bytes of each weight row
 
 
@@ -46,13 +37,6 @@ class MXFP4Matrix(NamedTuple):
     scales: jax.Array
 
 
-class MXFP4Experts(NamedTuple):
-    gate_up: MXFP4Matrix  # O = 2F: gate rows, then up rows; input D
-    gate_up_bias: jax.Array  # [E, 2F]
-    down: MXFP4Matrix  # O = D; input F
-    down_bias: jax.Array  # [E, D]
-
-
 # ----------------------------------------------------------------------------- layout (at load)
 
 
@@ -60,8 +44,8 @@ def prepare_matrix(blocks: np.ndarray, scales: np.ndarray) -> MXFP4Matrix:
     """Checkpoint arrays (blocks uint8 [E, O, G, 16], scales uint8 [E, O, G]) -> the
     kernel's layout: groups padded to a multiple of GROUP_TILE, rows flattened."""
     e, o, g, _ = blocks.shape
-    if o % ROWS:
-        raise ValueError(f"MXFP4 experts: output size {o} must be a multiple of {ROWS}")
+    if o % dex.ROWS:
+        raise ValueError(f"MXFP4 experts: output size {o} must be a multiple of {dex.ROWS}")
     gp = -(-g // GROUP_TILE) * GROUP_TILE
     blocks = np.pad(blocks, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
     scales = np.pad(scales, ((0, 0), (0, 0), (0, gp - g)))
@@ -70,9 +54,9 @@ def prepare_matrix(blocks: np.ndarray, scales: np.ndarray) -> MXFP4Matrix:
 
 def from_hf(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scales, down_bias):
     """One layer's HF tensors (`mlp.experts.{gate_up,down}_proj_{blocks,scales,bias}`) ->
-    MXFP4Experts. HF interleaves gate and up rows (gate even, up odd); we stack them."""
+    DecodeExperts. HF interleaves gate and up rows (gate even, up odd); we stack them."""
     split = lambda a: np.concatenate([a[:, 0::2], a[:, 1::2]], axis=1)
-    return MXFP4Experts(
+    return dex.DecodeExperts(
         prepare_matrix(split(gate_up_blocks), split(gate_up_scales)),
         jnp.asarray(split(gate_up_bias), jnp.float32),
         prepare_matrix(down_blocks, down_scales),
@@ -80,13 +64,15 @@ def from_hf(gate_up_blocks, gate_up_scales, gate_up_bias, down_blocks, down_scal
     )
 
 
-def from_dense(w: moe_lib.ExpertWeights) -> MXFP4Experts:
+def from_dense(w: moe_lib.ExpertWeights) -> dex.DecodeExperts:
     """Quantize our float expert weights ([E, in, out]) to MXFP4 (round to nearest even):
     for tests, and to serve a bf16 checkpoint from 4-bit weights."""
     quant = lambda a: prepare_matrix(*quantize_mxfp4(np.asarray(a, np.float32)))
     gate_up = np.concatenate([np.asarray(w.wi_gate), np.asarray(w.wi_up)], axis=2)
     bias = np.concatenate([np.asarray(w.bi_gate), np.asarray(w.bi_up)], axis=1)
-    return MXFP4Experts(quant(gate_up), jnp.asarray(bias, jnp.float32), quant(w.wo), w.bo)
+    return dex.DecodeExperts(
+        quant(gate_up), jnp.asarray(bias, jnp.float32), quant(w.wo), jnp.asarray(w.bo, jnp.float32)
+    )
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -106,102 +92,47 @@ def _e8m0(code):
     return lax.bitcast_convert_type(code.astype(jnp.int32) << 23, jnp.float32)
 
 
-def _kernel(tile_expert_ref, x_even_ref, x_odd_ref, blocks_ref, scales_ref, out_ref):
-    """One (tile, output block): out = x_even . lo^T + x_odd . hi^T over the tile's expert,
-    dequantizing GROUP_TILE groups of the weight rows per step."""
-    expert = tile_expert_ref[pl.program_id(0)]
-    block_o = out_ref.shape[1]
-    rows = pl.ds(pl.program_id(1) * block_o, block_o)
-    width = GROUP_TILE * 16  # bytes per row per step
+def _mxfp4_kernel(tile_expert_ref, x_even_ref, x_odd_ref, blocks_ref, scales_ref, out_ref):
+    """out = x_even . lo^T + x_odd . hi^T, dequantizing GROUP_TILE groups per step."""
+    width = GROUP_TILE * 16  # bytes of a weight row per step
 
-    @pl.when(expert >= 0)  # unused tiles read no weights (their rows are never gathered)
-    def _():
-        def step(c, acc):
-            cols = pl.ds(c * width, width)
-            codes = blocks_ref[expert, rows, cols].astype(jnp.int32)  # [block_o, width]
-            scale = _e8m0(scales_ref[expert, rows, pl.ds(c * GROUP_TILE, GROUP_TILE)])
-            # each scale covers 16 consecutive bytes (32 inputs) of its row
-            scale = jnp.broadcast_to(scale[:, :, None], (block_o, GROUP_TILE, 16))
-            scale = scale.reshape(block_o, width)
-            x_even, x_odd = x_even_ref[:, cols], x_odd_ref[:, cols]
-            lo = (_e2m1(codes & 15) * scale).astype(x_even.dtype)  # exact: 2 bits of mantissa
-            hi = (_e2m1(codes >> 4) * scale).astype(x_even.dtype)
-            dims = (((1,), (1,)), ((), ()))
-            acc += lax.dot_general(x_even, lo, dims, preferred_element_type=jnp.float32)
-            return acc + lax.dot_general(x_odd, hi, dims, preferred_element_type=jnp.float32)
+    def step(c, expert, out_rows):
+        cols = pl.ds(c * width, width)
+        codes = blocks_ref[expert, out_rows, cols].astype(jnp.int32)  # [block_o, width]
+        scale = _e8m0(scales_ref[expert, out_rows, pl.ds(c * GROUP_TILE, GROUP_TILE)])
+        # each scale covers 16 consecutive bytes (32 inputs) of its row
+        block_o = scale.shape[0]
+        scale = jnp.broadcast_to(scale[:, :, None], (block_o, GROUP_TILE, 16))
+        scale = scale.reshape(block_o, width)
+        x_even, x_odd = x_even_ref[:, cols], x_odd_ref[:, cols]
+        lo = (_e2m1(codes & 15) * scale).astype(x_even.dtype)  # exact: 2 bits of mantissa
+        hi = (_e2m1(codes >> 4) * scale).astype(x_even.dtype)
+        return dex.dot_rows(x_even, lo) + dex.dot_rows(x_odd, hi)
 
-        steps = blocks_ref.shape[2] // width
-        out_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
-
-
-def _block_o(o: int) -> int:
-    return next(b for b in (64, 32, 16) if o % b == 0)
+    steps = blocks_ref.shape[2] // width
+    dex.accumulate_over_chosen_expert(tile_expert_ref, out_ref, steps, step)
 
 
 def mxfp4_matmul(x_rd, tile_expert, w: MXFP4Matrix, *, interpret: bool = False):
-    """x [tiles*ROWS, in] (rows in tile order) x the tiles' experts -> float32 [rows, O].
+    """x [tiles*ROWS, in] (rows in tile order) x each tile's expert -> float32 [rows, O].
     Rows of unused tiles (expert -1) come out undefined."""
-    r, d = x_rd.shape
-    e, o, width = w.blocks.shape
-    x = jnp.pad(x_rd, ((0, 0), (0, width * 2 - d)))  # zero inputs meet the padding groups
-    x_even, x_odd = x[:, 0::2], x[:, 1::2]
-    block_o = _block_o(o)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda t, j: (0,) * a.ndim)
-    tile_rows = pl.BlockSpec((ROWS, width), lambda t, j: (t, 0))
-    return pl.pallas_call(
-        _kernel,
-        grid=(r // ROWS, o // block_o),
-        in_specs=[whole(tile_expert), tile_rows, tile_rows, whole(w.blocks), whole(w.scales)],
-        out_specs=pl.BlockSpec((ROWS, block_o), lambda t, j: (t, j)),
-        out_shape=jax.ShapeDtypeStruct((r, o), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+    width = w.blocks.shape[2]
+    x = jnp.pad(x_rd, ((0, 0), (0, width * 2 - x_rd.shape[1])))  # zeros meet padding groups
+    return dex.tiled_call(
+        _mxfp4_kernel,
+        tile_expert,
+        [x[:, 0::2], x[:, 1::2]],
+        [w.blocks, w.scales],
+        w.blocks.shape[1],
         interpret=interpret,
-        name="gpt_oss_mxfp4_experts",
-    )(tile_expert, x_even, x_odd, w.blocks, w.scales)
+    )
 
 
-# ----------------------------------------------------------------------------- routing layout
-
-
-class TileLayout(NamedTuple):
-    tile_expert: jax.Array  # [tiles] int32: each tile's expert, -1 past the used tiles
-    pair_row: jax.Array  # [t*k] int32: the padded row of each (token, choice) pair
-    row_expert: jax.Array  # [tiles*ROWS] int32: each row's expert (clipped for unused rows)
-
-
-def _tile_layout(idx_tk, num_experts: int) -> TileLayout:
-    """Sort the (token, choice) pairs by expert and give each expert whole tiles of ROWS
-    rows. Tiles needed: sum_e ceil(n_e / ROWS) <= pairs // ROWS + min(E, pairs)."""
-    flat = idx_tk.reshape(-1)
-    pairs = flat.shape[0]
-    tiles = pairs // ROWS + min(num_experts, pairs)
-    counts = jnp.bincount(flat, length=num_experts)
-    expert_tiles = -(-counts // ROWS)
-    first_tile = jnp.cumsum(expert_tiles) - expert_tiles
-    first_pair = jnp.cumsum(counts) - counts
-    order = jnp.argsort(flat, stable=True)
-    sorted_expert = flat[order]
-    rank = jnp.arange(pairs) - first_pair[sorted_expert]  # place within its expert's rows
-    row = first_tile[sorted_expert] * ROWS + rank
-    pair_row = jnp.zeros(pairs, jnp.int32).at[order].set(row.astype(jnp.int32))
-    t = jnp.arange(tiles)
-    tile_expert = jnp.searchsorted(jnp.cumsum(expert_tiles), t, side="right")
-    tile_expert = jnp.where(t < jnp.sum(expert_tiles), tile_expert, -1).astype(jnp.int32)
-    row_expert = jnp.clip(jnp.repeat(tile_expert, ROWS), 0, num_experts - 1)
-    return TileLayout(tile_expert, pair_row, row_expert)
-
-
-def mxfp4_ffn(x_td, weights_tk, idx_tk, w: MXFP4Experts, *, limit, alpha, dtype, interpret=False):
-    """The MoE expert computation of `moe.gathered_ffn`, from MXFP4 weights."""
-    t, k = idx_tk.shape
-    num_experts = w.gate_up.blocks.shape[0]
-    layout = _tile_layout(idx_tk, num_experts)
-    rows = layout.tile_expert.shape[0] * ROWS
-    token = jnp.arange(t * k) // k
-    x = jnp.zeros((rows, x_td.shape[1]), dtype).at[layout.pair_row].set(x_td[token].astype(dtype))
+def mxfp4_ffn(
+    x_td, weights_tk, idx_tk, w: dex.DecodeExperts, *, limit, alpha, dtype, interpret=False
+):
+    """The expert computation of `moe.gathered_ffn`, from MXFP4 weights."""
     matmul = functools.partial(mxfp4_matmul, interpret=interpret)
-    gate_up = matmul(x, layout.tile_expert, w.gate_up) + w.gate_up_bias[layout.row_expert]
-    f = gate_up.shape[1] // 2
-    act = moe_lib._glu(gate_up[:, :f], gate_up[:, f:], limit, alpha).astype(dtype)
-    y = matmul(act, layout.tile_expert, w.down) + w.down_bias.astype(jnp.float32)[layout.row_expert]
-    return jnp.einsum("tk,tkd->td", weights_tk, y[layout.pair_row].reshape(t, k, -1))
+    return dex.expert_ffn(
+        x_td, weights_tk, idx_tk, w, matmul=matmul, limit=limit, alpha=alpha, dtype=dtype
+    )

@@ -81,6 +81,9 @@ class Blocks:
     num_stages: int = 2
 
 
+_TILE_FIELDS = ("q", "k", "bwd_q", "bwd_k")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     window: int | None
@@ -283,18 +286,8 @@ def _backward(q, k, v, do, lse, delta, pos, seg, st: _Static):
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, st=st, group=g),
         grid=(b, kh, s // bk),
-        in_specs=[
-            group_spec,
-            k_spec,
-            k_spec,
-            group_spec,
-            group_stat,
-            group_stat,
-            whole,
-            cols,
-            whole,
-            cols,
-        ],  # fmt: skip
+        in_specs=[group_spec, k_spec, k_spec, group_spec, group_stat, group_stat]
+        + [whole, cols, whole, cols],  # q, k, v, dO, lse, D; q/k positions, q/k segments
         out_specs=[k_spec, k_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         name="gpt_oss_flash_dkv",
@@ -342,8 +335,7 @@ def _pad_axis(a, axis: int, size: int, value=0):
 def _fit(blocks: Blocks, seq: int) -> Blocks:
     """Shrink tiles that exceed a short sequence (keeping powers of two >= 16)."""
     cap = max(_MIN_BLOCK, pl.next_power_of_2(seq))
-    fields = ("q", "k", "bwd_q", "bwd_k")
-    return dataclasses.replace(blocks, **{f: min(getattr(blocks, f), cap) for f in fields})
+    return dataclasses.replace(blocks, **{f: min(getattr(blocks, f), cap) for f in _TILE_FIELDS})
 
 
 def flash_attention(
@@ -364,7 +356,7 @@ def flash_attention(
     b, s, n, h = q.shape
     if k.shape[:2] != (b, s) or v.shape != k.shape or n % k.shape[2]:
         raise ValueError(f"flash_attention: q {q.shape}, k {k.shape}, v {v.shape} do not match")
-    for f in ("q", "k", "bwd_q", "bwd_k"):
+    for f in _TILE_FIELDS:
         size = getattr(blocks, f)
         if size < _MIN_BLOCK or size & (size - 1):
             raise ValueError(f"flash_attention: Blocks.{f}={size} must be a power of two >= 16")

@@ -7,6 +7,9 @@
   # does a 32768-token layer fit? (an out-of-memory error is reported, not raised)
   python tools/bench_attention.py --seq_lens=32768 --windows=128,0 --impls=blockwise,flash
 
+  # tile tuning: --flash_blocks=q,k,bwd_q,bwd_k[,num_warps,num_stages]
+  python tools/bench_attention.py --impls=blockwise,flash --flash_blocks=128,64,64,64,4,3
+
 Prints one JSON object per (sequence, window, back-end): milliseconds per forward +
 backward, model TFLOP/s (visible query-key pairs only), the compiled call's temporaries +
 outputs (XLA's memory analysis), and the largest
@@ -36,6 +39,12 @@ _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
 _BLOCK = flags.DEFINE_integer("block", 512, "Query block of the blockwise back-end.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed calls (after one warm-up call).")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke test).")
+_FLASH_BLOCKS = flags.DEFINE_list(
+    "flash_blocks",
+    [],
+    "flash tiles q,k,bwd_q,bwd_k[,num_warps,num_stages] (powers of two >= 16; default: "
+    "flash_attention.Blocks()), for tuning.",
+)
 
 
 def visible_pairs(seq: int, window: int | None) -> int:
@@ -51,13 +60,19 @@ def _layer_fn(impl: str, window, positions, segments):
     import jax.numpy as jnp
 
     from gpt_oss_train.model import attention as attn_lib
+    from gpt_oss_train.model import flash_attention as flash
 
-    def loss(q, k, v, sinks, cot):
-        out = attn_lib.attention(
+    def attend(q, k, v, sinks):
+        if impl == "flash" and _FLASH_BLOCKS.value:  # the kernel itself, with these tiles
+            blocks = flash.Blocks(*(int(b) for b in _FLASH_BLOCKS.value))
+            return flash.flash_attention(q, k, v, sinks, positions, segments, window, blocks=blocks)
+        return attn_lib.attention(
             q, k, v, sinks, q_pos=positions, k_pos=positions, q_seg=segments, k_seg=segments,
             window=window, impl=impl, block=_BLOCK.value, self_attention=True,
         )  # fmt: skip
-        return jnp.sum(out.astype(jnp.float32) * cot)
+
+    def loss(q, k, v, sinks, cot):
+        return jnp.sum(attend(q, k, v, sinks).astype(jnp.float32) * cot)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
 
@@ -68,6 +83,8 @@ def bench_one(seq: int, window, impl: str, args, positions, segments):
 
     fn = _layer_fn(impl, window, positions, segments)
     record = dict(impl=impl, seq_len=seq, window=window or None, batch=_BATCH.value)
+    if impl == "flash" and _FLASH_BLOCKS.value:
+        record["flash_blocks"] = ",".join(_FLASH_BLOCKS.value)
     try:
         t0 = time.perf_counter()
         compiled = fn.lower(*args).compile()

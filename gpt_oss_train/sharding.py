@@ -19,9 +19,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gpt_oss_train.config import MESH_AXES, ConfigError
+from gpt_oss_train.errors import ConfigError
 
 Rules = tuple[tuple[str, Any], ...]
+
+# The mesh axes, outermost first. Parameters and activations never name them: logical
+# axis rules (config.logical_axis_rules) map logical names onto these.
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 
 def resolve_axis_sizes(

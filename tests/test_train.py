@@ -15,6 +15,7 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
+from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.model.transformer import ModelDef
 from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
@@ -236,29 +237,29 @@ def test_invalid_utf8_is_replaced_counted_and_trains(tmp_path, caplog):
 def test_config_errors_are_one_line_and_name_the_field():
     c = tiny_config()
     c.model.num_kv_heads = 3
-    with pytest.raises(config_lib.ConfigError, match=r"config\.model\.num_heads: 4 query heads"):
+    with pytest.raises(ConfigError, match=r"config\.model\.num_heads: 4 query heads"):
         config_lib.validate(c)
     c = tiny_config()
     c.model.experts_per_token = 9
-    with pytest.raises(config_lib.ConfigError, match="experts_per_token"):
+    with pytest.raises(ConfigError, match="experts_per_token"):
         config_lib.validate(c)
     c = tiny_config()
     c.model.sliding_window = 0
-    with pytest.raises(config_lib.ConfigError, match="sliding_window"):
+    with pytest.raises(ConfigError, match="sliding_window"):
         config_lib.validate(c)
     c = tiny_config()
     c.mesh.update(data=3, fsdp=1)
-    with pytest.raises(config_lib.ConfigError, match="config.mesh"):
+    with pytest.raises(ConfigError, match="config.mesh"):
         train_lib.train(c, "/tmp/unused")
     c = tiny_config()
     c.logical_axis_rules = (("batch", "nope"),)
-    with pytest.raises(config_lib.ConfigError, match="unknown mesh axis 'nope'"):
+    with pytest.raises(ConfigError, match="unknown mesh axis 'nope'"):
         train_lib.train(c, "/tmp/unused")
     c = tiny_config()
     c.logical_axis_rules = tuple(config_lib.DEFAULT_RULES)[:-1] + (("layers", "fsdp"),)
     from gpt_oss_train import sharding
 
-    with pytest.raises(config_lib.ConfigError, match="both 'layers' and 'embed'"):
+    with pytest.raises(ConfigError, match="both 'layers' and 'embed'"):
         sharding.logical_to_spec(("layers", "embed"), c.logical_axis_rules)
 
 

@@ -17,6 +17,7 @@ The same command runs on one CPU and on every host of a pod. In order:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -133,23 +134,26 @@ class StepLogger:
         self.window_start, self.window_steps = time.perf_counter(), 0
 
 
-def train(config, workdir: str, devices=None) -> dict:
-    """Runs the training job; returns a summary (used by tests and the CLI). `devices`
-    restricts the mesh to some of the devices (tests compare meshes in one process)."""
+@dataclasses.dataclass
+class Run:
+    """A training run ready to step: its setup, checkpointer, data and starting state."""
+
+    setup: state_lib.TrainSetup
+    ckpt: ckpt_lib.TrainCheckpointer
+    pipeline: data_lib.Pipeline
+    state: dict
+    workdir: str
+
+
+def prepare(config, workdir: str, devices=None) -> Run:
+    """Everything before the first step; user errors are raised here, before the model
+    is created (the workdir's checkpoints are checked first, and never touched)."""
     config_lib.validate(config)
     check_eval_source(config)
     workdir = os.path.abspath(workdir)
     t = config.train
     arch = resolve_architecture(config)
     setup = state_lib.build(config, arch, devices)
-    # Refuses a workdir whose checkpoint has another shape, before anything expensive.
-    ckpt = ckpt_lib.TrainCheckpointer(
-        workdir,
-        arch=arch,
-        every=config.checkpoint.every,
-        keep=config.checkpoint.keep,
-        async_save=config.checkpoint.async_save,
-    )
     pipeline = data_lib.make_pipeline(
         config.data.source,
         seq_len=t.seq_len,
@@ -159,9 +163,24 @@ def train(config, workdir: str, devices=None) -> dict:
         num_workers=config.data.num_workers,
         max_docs=config.data.max_docs,
     )
-    state = initial_state(setup, ckpt, pipeline)
+    # Refuses a workdir whose checkpoint has another shape, before anything expensive.
+    ckpt = ckpt_lib.TrainCheckpointer(
+        workdir,
+        arch=arch,
+        every=config.checkpoint.every,
+        keep=config.checkpoint.keep,
+        async_save=config.checkpoint.async_save,
+    )
+    return Run(setup, ckpt, pipeline, initial_state(setup, ckpt, pipeline), workdir)
+
+
+def train(config, workdir: str, devices=None) -> dict:
+    """Runs the training job; returns a summary (used by tests and the CLI). `devices`
+    restricts the mesh to some of the devices (tests compare meshes in one process)."""
+    run = prepare(config, workdir, devices)
+    setup, ckpt, pipeline, state, t = run.setup, run.ckpt, run.pipeline, run.state, config.train
     start = step = int(state["step"])
-    writer = MetricsWriter(workdir, is_primary=jax.process_index() == 0, total_steps=t.steps)
+    writer = MetricsWriter(run.workdir, is_primary=jax.process_index() == 0, total_steps=t.steps)
     logger = StepLogger(setup, writer, start)
     save = lambda step, force=False: ckpt.save(
         step, state["params"], state["opt_state"], pipeline.iterator, config.seed, force=force
@@ -194,8 +213,8 @@ def train(config, workdir: str, devices=None) -> dict:
         "step": step,
         "losses": logger.losses,
         "checkpoints": ckpt.directory,
-        "metrics": os.path.join(workdir, "metrics.jsonl"),
-        "tensorboard": os.path.join(workdir, "tensorboard"),
+        "metrics": os.path.join(run.workdir, "metrics.jsonl"),
+        "tensorboard": os.path.join(run.workdir, "tensorboard"),
         "preempted": preempted,
     }
 

@@ -57,28 +57,6 @@ from ml_collections import config_flags  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tpu_v5e.py", "Config file.")
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", "v5e:16x16", "TPU slice as libtpu names it: v5e:16x16, v6e:8x8, v5p:4x4x4"
-)
-_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (multi-slice).")
-_HBM_GIB = flags.DEFINE_float(
-    "hbm_gib", 0.0, "Memory per device in GiB (0: the chip's HBM from the table)."
-)
-_JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
-_DUMP_DIR = flags.DEFINE_string(
-    "dump_dir",
-    "",
-    "Keep XLA's dump of the compiled step here (HLO, buffer assignment, "
-    "memory-usage report); by default it goes to a temporary folder, then away.",
-)
-_TOP_BUFFERS = flags.DEFINE_integer(
-    "top_buffers",
-    10,
-    "Print this many rows of XLA's memory-usage report (the largest "
-    "allocations at peak; 0: skip the dump it needs).",
-)
-
 GiB = 2**30
 
 
@@ -388,24 +366,52 @@ def run(
     return verdict(r, hbm_override_gib)
 
 
+def _define_flags():
+    """Defined when run as a program only, so tests can import this module beside
+    gpt_oss_train.train (which defines its own --config)."""
+    config_flags.DEFINE_config_file("config", "configs/tpu_v5e.py", "Config file.")
+    flags.DEFINE_string(
+        "topology", "v5e:16x16", "TPU slice as libtpu names it: v5e:16x16, v6e:8x8, v5p:4x4x4"
+    )
+    flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (multi-slice).")
+    flags.DEFINE_float(
+        "hbm_gib", 0.0, "Memory per device in GiB (0: the chip's HBM from the table)."
+    )
+    flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
+    flags.DEFINE_string(
+        "dump_dir",
+        "",
+        "Keep XLA's dump of the compiled step here (HLO, buffer assignment, "
+        "memory-usage report); by default it goes to a temporary folder, then away.",
+    )
+    flags.DEFINE_integer(
+        "top_buffers",
+        10,
+        "Print this many rows of XLA's memory-usage report (the largest "
+        "allocations at peak; 0: skip the dump it needs).",
+    )
+
+
 def main(argv):
     del argv
+    f = flags.FLAGS
     r = run(
-        _CONFIG.value,
-        _TOPOLOGY.value,
-        _NUM_SLICES.value,
-        _HBM_GIB.value,
-        _TOP_BUFFERS.value,
-        _DUMP_DIR.value,
+        f["config"].value,
+        f.topology,
+        f.num_slices,
+        f.hbm_gib,
+        f.top_buffers,
+        f.dump_dir,
     )
     print(report(r))
     print(json.dumps(r), flush=True)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(r, f, indent=2)
+    if f.json:
+        with open(f.json, "w") as out:
+            json.dump(r, out, indent=2)
     if r["fits"] is False:
         sys.exit(1)
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

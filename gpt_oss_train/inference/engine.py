@@ -145,12 +145,14 @@ def runtime_config(config=None, dtype: str | None = None):
     return config
 
 
-def _place(config, arch: dict, read_params, kind: str, path: str, int8_weights: bool):
+def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None):
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
-    mesh of the runtime config (local devices), int8-quantized if asked."""
+    mesh of the runtime config (over `devices`, default the local ones), int8-quantized
+    if asked."""
     md = ModelDef(config_lib.ModelConfig.from_config(config, arch))
     rules = sharding.validate_rules(config.logical_axis_rules)
-    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=jax.local_devices())
+    devices = jax.local_devices() if devices is None else devices
+    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
     logging.info(
         "Loading %s model %s: compute %s, mesh %s", kind, path, config.dtype, dict(mesh.shape)
     )
@@ -185,7 +187,7 @@ def load_model(
     return _place(config, arch, read, kind, os.path.abspath(path), int8_weights)
 
 
-def random_model(config=None, *, int8_weights: bool = False) -> LoadedModel:
+def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:
     """config.model's architecture with random parameters (seed config.seed): for
     benchmarks and capacity planning, no checkpoint needed."""
     config = runtime_config(config)
@@ -194,7 +196,7 @@ def random_model(config=None, *, int8_weights: bool = False) -> LoadedModel:
     def init(md, mesh, rules):
         return md.init(config.seed, mesh, rules)
 
-    return _place(config, arch, init, "random", "", int8_weights)
+    return _place(config, arch, init, "random", "", int8_weights, devices)
 
 
 def cache_limit(max_positions: int, opts: Options) -> int:

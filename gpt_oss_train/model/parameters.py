@@ -188,9 +188,11 @@ def leaves(arch) -> Iterator[tuple[str, Param, tuple[int, ...], bool]]:
 def lookup(path: str) -> tuple[Param, bool]:
     """(declaration, stacked) for a tree path; KeyError for an unknown one."""
     parts = path.split("/")
-    if parts[0] == "blocks" and len(parts) > 2 and parts[1] in KINDS:
-        return LAYER["/".join(parts[2:])], True
-    return TOP[path], False
+    stacked = parts[0] == "blocks" and len(parts) > 2 and parts[1] in KINDS
+    decl = (LAYER if stacked else TOP).get("/".join(parts[2:]) if stacked else path)
+    if decl is None:
+        raise KeyError(f"unknown parameter path {path!r}")
+    return decl, stacked
 
 
 def path_of(key_path) -> str:

@@ -187,16 +187,9 @@ class ModelConfig:
         cls, config: ml_collections.ConfigDict, arch: dict | None = None
     ) -> "ModelConfig":
         arch = model_arch(config) if arch is None else arch
-        return cls(
-            **arch,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            scan_layers=config.scan_layers,
-            remat_policy=config.remat_policy,
-            attention_impl=config.attention_impl,
-            attention_block=config.attention_block,
-            moe_impl=config.moe_impl,
-        )
+        # The other fields are the config's top-level settings of the same names.
+        runtime = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+        return cls(**arch, **runtime)
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

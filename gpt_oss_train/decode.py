@@ -53,6 +53,7 @@ there was none), 1 if every line failed, 2 for an unusable checkpoint, flag or c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -184,17 +185,10 @@ def _check_flags(f) -> Options:
         raise DecodeError("--compare_hf only applies to --mode=benchmark")
     if f.output and not os.path.isdir(os.path.dirname(os.path.abspath(f.output))):
         raise DecodeError(f"--output={f.output}: its folder does not exist")
-    return Options(
-        max_new_tokens=f.max_new_tokens,
-        sampling=SamplingParams(f.temperature, f.top_k, f.top_p),
-        seed=f.seed,
-        batch_size=f.batch_size,
-        prefill_chunk=f.prefill_chunk,
-        int8_kv_cache=f.int8_kv_cache,
-        reasoning_effort=f.reasoning_effort,
-        max_cache_len=f.max_cache_len,
-        show_analysis=f.show_analysis,
-    )
+    # Every option but the sampling settings is the flag of the same name.
+    names = [o.name for o in dataclasses.fields(Options) if o.name != "sampling"]
+    sampling = SamplingParams(f.temperature, f.top_k, f.top_p)
+    return Options(sampling=sampling, **{n: f[n].value for n in names})
 
 
 def _write_jsonl(records: list[dict], path: str | None):
@@ -216,6 +210,8 @@ def _run(f) -> int:
     if f.mode == "benchmark":  # flag errors before anything is loaded
         _positive_ints(f.batch_sizes, "batch_sizes")
         _positive_ints(f.prompt_lengths, "prompt_lengths")
+    if f.mode == "chat":
+        logs.conversation_only()
     arch = engine.read_architecture(f.checkpoint, kind)
     engine.cache_limit(arch["max_position_embeddings"], opts)
     load = lambda: engine.load_model(

@@ -33,3 +33,13 @@ def quiet_library_logs() -> None:
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _LibraryInfoFilter) for f in handler.filters):
         handler.addFilter(_LibraryInfoFilter())
+
+
+def conversation_only() -> None:
+    """For an interactive chat: library INFO and warnings (JAX's backend probe, Orbax's
+    read-only notices) would interleave with the conversation, so only errors print,
+    unless the user asked for more with --verbosity=1."""
+    from absl import logging
+
+    if logging.get_verbosity() <= logging.INFO:
+        logging.set_verbosity(logging.ERROR)

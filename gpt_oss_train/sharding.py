@@ -218,12 +218,6 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
-def named_sharding(
-    mesh: Mesh, rules: Rules, names: Sequence[str | None], shape: Sequence[int]
-) -> NamedSharding:
-    return NamedSharding(mesh, fit_spec(logical_to_spec(names, rules), shape, mesh))
-
-
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, length, ...] input array."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules))

@@ -150,10 +150,18 @@ def error_record(index: int, message: str) -> dict:
     return {"index": index, "error": msg}
 
 
-def _nonblank_lines(data: bytes) -> Iterable[tuple[int, bytes]]:
+def _parse_lines(data: bytes, parse) -> tuple[dict[int, dict], list[tuple[int, Any]]]:
+    """parse(index, raw line) over the non-blank lines: ({index: error record} for the
+    lines it refused, [(index, parsed)] for the others)."""
+    errors, parsed = {}, []
     for i, raw in enumerate(data.split(b"\n")):
-        if raw.strip():
-            yield i, raw
+        if not raw.strip():
+            continue
+        try:
+            parsed.append((i, parse(i, raw)))
+        except LineError as e:
+            errors[i] = error_record(i, str(e))
+    return errors, parsed
 
 
 def _batches(requests: list[Request], batch_size: int) -> Iterable[list[Request]]:
@@ -216,16 +224,10 @@ def _generate_batch(
 
 def run_generate(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
     """Every non-blank line of a JSONL file -> its output record, in input order."""
-    limit = cache_limit(model.cfg.max_position_embeddings, opts)
-    results: dict[int, dict] = {}
-    requests = []
-    for i, raw in _nonblank_lines(data):
-        try:
-            requests.append(
-                parse_generate_line(i, raw, vocab_size=model.cfg.vocab_size, limit=limit, opts=opts)
-            )
-        except LineError as e:
-            results[i] = error_record(i, str(e))
+    limit, vocab = cache_limit(model.cfg.max_position_embeddings, opts), model.cfg.vocab_size
+    parse = lambda i, raw: parse_generate_line(i, raw, vocab_size=vocab, limit=limit, opts=opts)
+    results, parsed = _parse_lines(data, parse)
+    requests = [r for _, r in parsed]
     if requests:
         chunk = prefill_chunk_for(opts.prefill_chunk, max(len(r.prompt) for r in requests))
         gen = model.generator(chunk, opts.int8_kv_cache)
@@ -309,14 +311,9 @@ def score_batch(model: LoadedModel, fn, seqs: list[tuple[int, ...]], rows: int) 
 
 
 def run_score(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
-    limit = cache_limit(model.cfg.max_position_embeddings, opts)
-    results: dict[int, dict] = {}
-    todo = []
-    for i, raw in _nonblank_lines(data):
-        try:
-            todo.append((i, parse_score_line(raw, vocab_size=model.cfg.vocab_size, limit=limit)))
-        except LineError as e:
-            results[i] = error_record(i, str(e))
+    limit, vocab = cache_limit(model.cfg.max_position_embeddings, opts), model.cfg.vocab_size
+    parse = lambda i, raw: parse_score_line(raw, vocab_size=vocab, limit=limit)
+    results, todo = _parse_lines(data, parse)
     todo.sort(key=lambda x: len(x[1]))
     fn = model.kept("scorer", lambda: _score_fn(model))
     for start in range(0, len(todo), opts.batch_size):

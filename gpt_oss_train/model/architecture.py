@@ -10,48 +10,35 @@ from typing import Any, Mapping
 
 from gpt_oss_train.errors import ConfigError
 
-# The architecture fields, in the order they are documented. A checkpoint stores exactly
-# these, so a decode or fine-tune run rebuilds the network it was trained with.
-FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "num_experts",
-    "experts_per_token",
-    "intermediate_size",
-    "sliding_window",
-    "rope_theta",
-    "rope_scaling_factor",
-    "rope_original_max_position",
-    "rope_beta_fast",
-    "rope_beta_slow",
-    "rope_truncate",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "swiglu_limit",
-)
+# The architecture fields, in the order they are documented, with what each must be. A
+# checkpoint stores exactly these, so a decode or fine-tune run rebuilds the network it
+# was trained with.
+_FIELD_KINDS = {
+    "vocab_size": "count",
+    "hidden_size": "count",
+    "num_layers": "count",
+    "num_heads": "count",
+    "num_kv_heads": "count",
+    "head_dim": "count",
+    "num_experts": "count",
+    "experts_per_token": "count",
+    "intermediate_size": "count",
+    "sliding_window": "count",
+    "rope_theta": "number",
+    "rope_scaling_factor": "number",
+    "rope_original_max_position": "count",
+    "rope_beta_fast": "number",
+    "rope_beta_slow": "number",
+    "rope_truncate": "bool",
+    "max_position_embeddings": "count",
+    "rms_norm_eps": "number",
+    "swiglu_limit": "number",
+}
+FIELDS = tuple(_FIELD_KINDS)
 
 # The SwiGLU gate's sigmoid slope: fixed in the reference implementation, not a field of
 # config.json (a checkpoint asking for another value is refused).
 SWIGLU_ALPHA = 1.702
-
-_POSITIVE_INTS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "num_experts",
-    "experts_per_token",
-    "intermediate_size",
-    "sliding_window",
-    "max_position_embeddings",
-    "rope_original_max_position",
-)
 
 
 def _gpt_oss_20b(**overrides) -> dict[str, Any]:
@@ -81,33 +68,27 @@ def _gpt_oss_20b(**overrides) -> dict[str, Any]:
     return arch
 
 
+def _shrunk(*, hidden, layers, heads, kv_heads, head_dim, experts, window) -> dict[str, Any]:
+    return _gpt_oss_20b(
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        num_experts=experts,
+        experts_per_token=2,
+        sliding_window=window,
+    )
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": _gpt_oss_20b(),
     "gpt-oss-120b": _gpt_oss_20b(num_layers=36, num_experts=128),
     # Small shapes of the same architecture: the real vocabulary (so the real tokenizer
     # works), everything else shrunk. `tiny` is for unit tests, `small` for CPU runs.
-    "tiny": _gpt_oss_20b(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        num_experts=4,
-        experts_per_token=2,
-        intermediate_size=64,
-        sliding_window=8,
-    ),
-    "small": _gpt_oss_20b(
-        hidden_size=256,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-        num_experts=8,
-        experts_per_token=2,
-        intermediate_size=256,
-        sliding_window=64,
-    ),
+    "tiny": _shrunk(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, window=8),
+    "small": _shrunk(hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, experts=8, window=64),
 }
 
 
@@ -124,10 +105,18 @@ def validate(arch: Mapping[str, Any], where: str = "config.model") -> dict[str, 
     missing = [k for k in FIELDS if k not in arch]
     _check(not missing, where, f"missing fields {missing}")
     m = {k: arch[k] for k in FIELDS}
-    for k in _POSITIVE_INTS:
+    for k, kind in _FIELD_KINDS.items():
         v = m[k]
-        ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
-        _check(ok, f"{where}.{k}", f"must be a positive integer, got {v!r}")
+        if kind == "count":
+            ok, what = (
+                isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                "a positive integer",
+            )
+        elif kind == "bool":
+            ok, what = isinstance(v, bool), "true or false"
+        else:
+            ok, what = isinstance(v, (int, float)) and not isinstance(v, bool), "a number"
+        _check(ok, f"{where}.{k}", f"must be {what}, got {v!r}")
     _check(
         m["num_layers"] % 2 == 0,
         f"{where}.num_layers",
@@ -158,7 +147,6 @@ def validate(arch: Mapping[str, Any], where: str = "config.model") -> dict[str, 
         f"need rope_beta_fast > rope_beta_slow > 0, got {m['rope_beta_fast']}, "
         f"{m['rope_beta_slow']}",
     )
-    _check(isinstance(m["rope_truncate"], bool), f"{where}.rope_truncate", "must be a bool")
     _check(m["rms_norm_eps"] > 0, f"{where}.rms_norm_eps", "must be > 0")
     _check(m["swiglu_limit"] > 0, f"{where}.swiglu_limit", "must be > 0")
     return m

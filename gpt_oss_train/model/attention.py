@@ -215,15 +215,5 @@ def attention(
         impl = "xla"
     elif q_seg is None:
         q_seg = k_seg = (q_pos >= 0).astype(jnp.int32)
-    return IMPLS[impl](
-        q,
-        k,
-        v,
-        sinks,
-        q_pos=q_pos,
-        k_pos=k_pos,
-        q_seg=q_seg,
-        k_seg=k_seg,
-        window=window,
-        block=block,
-    )
+    where = dict(q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
+    return IMPLS[impl](q, k, v, sinks, **where, window=window, block=block)

@@ -54,84 +54,49 @@ def _bias(dims: str, axes, hf: HFTensor) -> Param:
     return Param(dims, axes, "zeros", hf, decay=False)
 
 
+def _matrix(dims: str, axes, hf: HFTensor, contract=()) -> Param:
+    return Param(dims, axes, "normal", hf, contract=contract)
+
+
+_Q, _KV = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+_EXPERT_IN = ("exp", "embed", "mlp")  # [E, D, F]
+_GATE_UP = "mlp.experts.gate_up_proj"
+
 TOP: dict[str, Param] = {
-    "embed/embedding": Param(
-        "V D", ("vocab", "embed"), "normal", HFTensor("model.embed_tokens.weight", "V D")
+    "embed/embedding": _matrix(
+        "V D", ("vocab", "embed"), HFTensor("model.embed_tokens.weight", "V D")
     ),
     "final_norm/scale": _norm("model.norm.weight"),
-    "unembed/kernel": Param(
-        "D V", ("embed", "vocab"), "normal", HFTensor("lm_head.weight", "V D"), contract=(0,)
-    ),
+    "unembed/kernel": _matrix("D V", ("embed", "vocab"), HFTensor("lm_head.weight", "V D"), (0,)),
 }
 
 LAYER: dict[str, Param] = {
     "attn_norm/scale": _norm("input_layernorm.weight"),
-    "attn/q_kernel": Param(
-        "D N H",
-        ("embed", "heads", "head_dim"),
-        "normal",
-        HFTensor("self_attn.q_proj.weight", "NH D"),
-        contract=(0,),
-    ),
-    "attn/q_bias": _bias("N H", ("heads", "head_dim"), HFTensor("self_attn.q_proj.bias", "NH")),
-    "attn/k_kernel": Param(
-        "D K H",
-        ("embed", "kv_heads", "head_dim"),
-        "normal",
-        HFTensor("self_attn.k_proj.weight", "KH D"),
-        contract=(0,),
-    ),
-    "attn/k_bias": _bias("K H", ("kv_heads", "head_dim"), HFTensor("self_attn.k_proj.bias", "KH")),
-    "attn/v_kernel": Param(
-        "D K H",
-        ("embed", "kv_heads", "head_dim"),
-        "normal",
-        HFTensor("self_attn.v_proj.weight", "KH D"),
-        contract=(0,),
-    ),
-    "attn/v_bias": _bias("K H", ("kv_heads", "head_dim"), HFTensor("self_attn.v_proj.bias", "KH")),
-    "attn/o_kernel": Param(
-        "N H D",
-        ("heads", "head_dim", "embed"),
-        "normal",
-        HFTensor("self_attn.o_proj.weight", "D NH"),
-        contract=(0, 1),
+    "attn/q_kernel": _matrix("D N H", _Q, HFTensor("self_attn.q_proj.weight", "NH D"), (0,)),
+    "attn/q_bias": _bias("N H", _Q[1:], HFTensor("self_attn.q_proj.bias", "NH")),
+    "attn/k_kernel": _matrix("D K H", _KV, HFTensor("self_attn.k_proj.weight", "KH D"), (0,)),
+    "attn/k_bias": _bias("K H", _KV[1:], HFTensor("self_attn.k_proj.bias", "KH")),
+    "attn/v_kernel": _matrix("D K H", _KV, HFTensor("self_attn.v_proj.weight", "KH D"), (0,)),
+    "attn/v_bias": _bias("K H", _KV[1:], HFTensor("self_attn.v_proj.bias", "KH")),
+    "attn/o_kernel": _matrix(
+        "N H D", ("heads", "head_dim", "embed"), HFTensor("self_attn.o_proj.weight", "D NH"), (0, 1)
     ),
     "attn/o_bias": _bias("D", ("embed",), HFTensor("self_attn.o_proj.bias", "D")),
     # One learned logit per query head that joins the softmax denominator only.
     "attn/sinks": Param("N", ("heads",), "normal", HFTensor("self_attn.sinks", "N"), decay=False),
     "mlp_norm/scale": _norm("post_attention_layernorm.weight"),
     # The router stays unquantized: its top-k must pick the float model's experts.
-    "moe/router_kernel": Param(
-        "D E", ("embed", None), "normal", HFTensor("mlp.router.weight", "E D")
-    ),
+    "moe/router_kernel": _matrix("D E", ("embed", None), HFTensor("mlp.router.weight", "E D")),
     "moe/router_bias": Param("E", (None,), "normal", HFTensor("mlp.router.bias", "E"), decay=False),
-    "moe/wi_gate": Param(
-        "E D F",
-        ("exp", "embed", "mlp"),
-        "normal",
-        HFTensor("mlp.experts.gate_up_proj", "E D F", part=0, mxfp4=True),
-        contract=(1,),
-    ),
-    "moe/bi_gate": _bias(
-        "E F", ("exp", "mlp"), HFTensor("mlp.experts.gate_up_proj_bias", "E F", part=0)
-    ),
-    "moe/wi_up": Param(
-        "E D F",
-        ("exp", "embed", "mlp"),
-        "normal",
-        HFTensor("mlp.experts.gate_up_proj", "E D F", part=1, mxfp4=True),
-        contract=(1,),
-    ),
-    "moe/bi_up": _bias(
-        "E F", ("exp", "mlp"), HFTensor("mlp.experts.gate_up_proj_bias", "E F", part=1)
-    ),
-    "moe/wo": Param(
+    "moe/wi_gate": _matrix("E D F", _EXPERT_IN, HFTensor(_GATE_UP, "E D F", 0, True), (1,)),
+    "moe/bi_gate": _bias("E F", ("exp", "mlp"), HFTensor(_GATE_UP + "_bias", "E F", 0)),
+    "moe/wi_up": _matrix("E D F", _EXPERT_IN, HFTensor(_GATE_UP, "E D F", 1, True), (1,)),
+    "moe/bi_up": _bias("E F", ("exp", "mlp"), HFTensor(_GATE_UP + "_bias", "E F", 1)),
+    "moe/wo": _matrix(
         "E F D",
         ("exp", "mlp", "embed"),
-        "normal",
-        HFTensor("mlp.experts.down_proj", "E F D", mxfp4=True),
-        contract=(1,),
+        HFTensor("mlp.experts.down_proj", "E F D", None, True),
+        (1,),
     ),
     "moe/bo": _bias("E D", ("exp", "embed"), HFTensor("mlp.experts.down_proj_bias", "E D")),
 }

@@ -121,15 +121,6 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
     )
     eval_step = jax.jit(steps.make_eval_step(model_def, t), in_shardings=(param_sh, batch_sh))
     return TrainSetup(
-        config=config,
-        model_def=model_def,
-        mesh=mesh,
-        rules=rules,
-        tx=tx,
-        schedule=schedule,
-        state_shardings=state_sh,
-        abstract_state=abstract_state,
-        batch_sharding=batch_sh,
-        train_step=train_step,
-        eval_step=eval_step,
-    )
+        config, model_def, mesh, rules, tx, schedule, state_sh, abstract_state, batch_sh,
+        train_step, eval_step,
+    )  # fmt: skip

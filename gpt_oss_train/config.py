@@ -15,93 +15,16 @@ overridden from the command line (`--config.model.num_layers=4`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import ml_collections
 
-# The architecture fields, in the order they are documented. A checkpoint stores exactly
-# these, so a decode or fine-tune run rebuilds the network it was trained with.
-ARCH_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "num_experts",
-    "experts_per_token",
-    "intermediate_size",
-    "sliding_window",
-    "rope_theta",
-    "rope_scaling_factor",
-    "rope_original_max_position",
-    "rope_beta_fast",
-    "rope_beta_slow",
-    "rope_truncate",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "swiglu_limit",
-)
-
-
-def _arch(**overrides) -> dict[str, Any]:
-    """gpt-oss-20b's architecture, with overrides (the published config.json values)."""
-    arch = dict(
-        vocab_size=201088,
-        hidden_size=2880,
-        num_layers=24,
-        num_heads=64,
-        num_kv_heads=8,
-        head_dim=64,
-        num_experts=32,
-        experts_per_token=4,
-        intermediate_size=2880,
-        sliding_window=128,
-        rope_theta=150000.0,
-        rope_scaling_factor=32.0,
-        rope_original_max_position=4096,
-        rope_beta_fast=32.0,
-        rope_beta_slow=1.0,
-        rope_truncate=False,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        swiglu_limit=7.0,
-    )
-    arch.update(overrides)
-    return arch
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt-oss-20b": _arch(),
-    "gpt-oss-120b": _arch(num_layers=36, num_experts=128),
-    # Small shapes of the same architecture: the real vocabulary (so the real tokenizer
-    # works), everything else shrunk. `tiny` is for unit tests, `small` for CPU runs.
-    "tiny": _arch(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        num_experts=4,
-        experts_per_token=2,
-        intermediate_size=64,
-        sliding_window=8,
-    ),
-    "small": _arch(
-        hidden_size=256,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=32,
-        num_experts=8,
-        experts_per_token=2,
-        intermediate_size=256,
-        sliding_window=64,
-    ),
-}
-
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.model import architecture, remat
+from gpt_oss_train.model import attention as attention_lib
+from gpt_oss_train.model import moe as moe_lib
+from gpt_oss_train.model.architecture import PRESETS
+from gpt_oss_train.sharding import MESH_AXES
 
 # Logical axis names used by the model, and the mesh axes they shard over by default.
 # Parameters: vocab, embed, heads, kv_heads, head_dim, mlp, exp, layers.
@@ -122,11 +45,17 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("exp", "expert"),
     ("layers", None),
+    # The KV cache: rows like the batch, KV heads like the attention's, slots unsharded.
+    ("cache_batch", ("data", "fsdp", "expert")),
+    ("cache_length", None),
+    ("cache_kv_heads", "tensor"),
+    ("cache_head_dim", None),
 )
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
-ATTENTION_IMPLS = ("xla", "blockwise", "splash", "flash")
-MOE_IMPLS = ("dense", "ragged", "sharded")
+# The names the config accepts are the keys of the registries that hold the code.
+REMAT_POLICIES = tuple(remat.POLICIES)
+ATTENTION_IMPLS = tuple(attention_lib.IMPLS)
+MOE_IMPLS = tuple(moe_lib.EXPERT_IMPLS)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -212,26 +141,7 @@ def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
 
 def model_arch(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The architecture part of a config, as a plain dict (what checkpoints store)."""
-    return {k: config.model[k] for k in ARCH_FIELDS}
-
-
-def arch_to_json(arch: dict[str, Any]) -> str:
-    return json.dumps({k: arch[k] for k in ARCH_FIELDS}, indent=2, sort_keys=False)
-
-
-def arch_from_json(text: str, source: str) -> dict[str, Any]:
-    try:
-        arch = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: model config is not valid JSON ({e})") from None
-    missing = [k for k in ARCH_FIELDS if k not in arch]
-    unknown = [k for k in arch if k not in ARCH_FIELDS]
-    if missing or unknown:
-        raise ValueError(
-            f"{source}: model config has missing fields {missing} / unknown fields "
-            f"{unknown}; it was not written by this version of gpt_oss_train"
-        )
-    return arch
+    return {k: config.model[k] for k in architecture.FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +168,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     swiglu_limit: float
-    swiglu_alpha: float = 1.702  # hard-coded in the reference, not in config.json
+    swiglu_alpha: float = architecture.SWIGLU_ALPHA
     initializer_range: float = 0.02
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
@@ -277,23 +187,12 @@ class ModelConfig:
         cls, config: ml_collections.ConfigDict, arch: dict | None = None
     ) -> "ModelConfig":
         arch = model_arch(config) if arch is None else arch
-        return cls(
-            **arch,
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            scan_layers=config.scan_layers,
-            remat_policy=config.remat_policy,
-            attention_impl=config.attention_impl,
-            attention_block=config.attention_block,
-            moe_impl=config.moe_impl,
-        )
+        # The other fields are the config's top-level settings of the same names.
+        runtime = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+        return cls(**arch, **runtime)
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
-
-
-class ConfigError(ValueError):
-    """A configuration a user wrote that cannot run; the message names field and fix."""
 
 
 def _check(cond: bool, field: str, msg: str):
@@ -301,81 +200,12 @@ def _check(cond: bool, field: str, msg: str):
         raise ConfigError(f"config.{field}: {msg}")
 
 
-def validate_model(m: dict[str, Any] | ml_collections.ConfigDict, prefix: str = "model"):
-    """Checks an architecture; raises ConfigError naming the first bad field."""
-    unknown = [k for k in m.keys() if k not in ARCH_FIELDS]
-    _check(
-        not unknown,
-        f"{prefix}.{unknown[0] if unknown else ''}",
-        f"unknown field; valid fields are {list(ARCH_FIELDS)}",
-    )
-    for k in (
-        "vocab_size",
-        "hidden_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "num_experts",
-        "experts_per_token",
-        "intermediate_size",
-        "max_position_embeddings",
-        "rope_original_max_position",
-    ):
-        _check(
-            isinstance(m[k], int) and m[k] > 0,
-            f"{prefix}.{k}",
-            f"must be a positive integer, got {m[k]!r}",
-        )
-    _check(
-        m["num_layers"] % 2 == 0,
-        f"{prefix}.num_layers",
-        f"must be even (layers come in (banded, full) pairs), got {m['num_layers']}",
-    )
-    _check(
-        m["num_heads"] % m["num_kv_heads"] == 0,
-        f"{prefix}.num_heads",
-        f"{m['num_heads']} query heads are not divisible by num_kv_heads="
-        f"{m['num_kv_heads']}; pick num_kv_heads dividing num_heads",
-    )
-    _check(
-        m["head_dim"] % 2 == 0,
-        f"{prefix}.head_dim",
-        f"must be even for rotary embeddings, got {m['head_dim']}",
-    )
-    _check(
-        m["experts_per_token"] <= m["num_experts"],
-        f"{prefix}.experts_per_token",
-        f"{m['experts_per_token']} > num_experts={m['num_experts']}; "
-        "lower experts_per_token or raise num_experts",
-    )
-    _check(
-        isinstance(m["sliding_window"], int) and m["sliding_window"] > 0,
-        f"{prefix}.sliding_window",
-        f"must be a positive integer, got {m['sliding_window']!r}",
-    )
-    _check(m["rope_theta"] > 1, f"{prefix}.rope_theta", f"must be > 1, got {m['rope_theta']}")
-    _check(
-        m["rope_scaling_factor"] >= 1,
-        f"{prefix}.rope_scaling_factor",
-        f"must be >= 1 (1 disables YaRN), got {m['rope_scaling_factor']}",
-    )
-    _check(
-        m["rope_beta_fast"] > m["rope_beta_slow"] > 0,
-        f"{prefix}.rope_beta_fast",
-        f"need rope_beta_fast > rope_beta_slow > 0, got {m['rope_beta_fast']}, "
-        f"{m['rope_beta_slow']}",
-    )
-    _check(m["rms_norm_eps"] > 0, f"{prefix}.rms_norm_eps", "must be > 0")
-    _check(m["swiglu_limit"] > 0, f"{prefix}.swiglu_limit", "must be > 0")
-
-
 def validate(config: ml_collections.ConfigDict):
     """Checks a whole config before any compute. Raises ConfigError (one line)."""
     known_top = set(default_config().keys())
     for k in config.keys():
         _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
-    validate_model(config.model)
+    architecture.validate(config.model.to_dict())
     for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn"):
         defaults = default_config()[section]
         for k in config[section].keys():

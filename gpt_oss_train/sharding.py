@@ -19,9 +19,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gpt_oss_train.config import MESH_AXES, ConfigError
+from gpt_oss_train.errors import ConfigError
 
 Rules = tuple[tuple[str, Any], ...]
+
+# The mesh axes, outermost first. Parameters and activations never name them: logical
+# axis rules (config.logical_axis_rules) map logical names onto these.
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 
 def resolve_axis_sizes(
@@ -212,12 +216,6 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
                 kept.append(ax)
         out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     return P(*out)
-
-
-def named_sharding(
-    mesh: Mesh, rules: Rules, names: Sequence[str | None], shape: Sequence[int]
-) -> NamedSharding:
-    return NamedSharding(mesh, fit_spec(logical_to_spec(names, rules), shape, mesh))
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:

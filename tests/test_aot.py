@@ -68,13 +68,11 @@ def test_compiles_for_a_tpu_slice_and_reports_memory(tmp_path):
         assert r[key] > 0, (key, r)
     # The state is donated: the new state is written over the old one.
     assert r["aliased_bytes"] > 0.9 * r["outputs_bytes"], r
-    assert r["total_bytes"] == (
-        r["arguments_bytes"]
-        + r["outputs_bytes"]
-        - r["aliased_bytes"]
-        + r["temp_bytes"]
-        + r["code_bytes"]
-    )
+    # XLA's argument bytes are the shards of the state and the batch, summed here from the
+    # shapes and shardings: five int32 [4, 128] arrays over 4 batch shards, the step count.
+    batch_bytes = 5 * (4 // 4) * 128 * 4
+    expected = r["state_bytes_per_device"] + batch_bytes + 4
+    assert r["arguments_bytes"] == pytest.approx(expected, rel=0.01), r
     # Compiled FLOPs count remat, masked attention and the routing work the model estimate
     # leaves out, but they are of the same order.
     assert 0.5 < r["compiled_flops_per_device"] / r["model_flops_per_device"] < 20, r

@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 from safetensors import safe_open
-from test_parity import random_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +31,18 @@ def all_tensors(folder):
     return out
 
 
-def test_hf_to_orbax_to_hf_is_bit_exact(tmp_path):
+def folder_bytes(folder):
+    """Every file under `folder` -> its bytes: what "left untouched" must preserve."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def test_hf_to_orbax_to_hf_is_bit_exact(tmp_path, random_hf_model):
     hf_in, orbax, hf_out = tmp_path / "hf", tmp_path / "orbax", tmp_path / "hf_out"
     random_hf_model(seed=3).save_pretrained(hf_in)
     r = run_tool(f"--hf_dir={hf_in}", f"--output_dir={orbax}")
@@ -50,19 +60,20 @@ def test_hf_to_orbax_to_hf_is_bit_exact(tmp_path):
         assert a[k].tobytes() == b[k].tobytes(), f"{k} differs"
 
 
-def test_converter_refuses_to_overwrite(tmp_path):
+def test_converter_refuses_to_overwrite(tmp_path, random_hf_model):
     hf_in, orbax = tmp_path / "hf", tmp_path / "orbax"
     random_hf_model(seed=4).save_pretrained(hf_in)
     assert run_tool(f"--hf_dir={hf_in}", f"--output_dir={orbax}").returncode == 0
-    before = sorted(os.walk(orbax))
+    orbax_before, hf_before = folder_bytes(orbax), folder_bytes(hf_in)
     r = run_tool(f"--hf_dir={hf_in}", f"--output_dir={orbax}")
     assert r.returncode != 0 and "already holds a checkpoint" in r.stderr
-    assert sorted(os.walk(orbax)) == before
+    assert folder_bytes(orbax) == orbax_before
     r = run_tool(f"--orbax_dir={orbax}", f"--hf_out={hf_in}")
     assert r.returncode != 0 and "not empty" in r.stderr
+    assert folder_bytes(hf_in) == hf_before
 
 
-def test_converter_names_the_missing_tensor(tmp_path):
+def test_converter_names_the_missing_tensor(tmp_path, random_hf_model):
     hf_in = tmp_path / "hf"
     random_hf_model(seed=5).save_pretrained(hf_in)
     f = hf_in / "model.safetensors"

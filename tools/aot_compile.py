@@ -13,7 +13,7 @@ and say whether it fits in the chips' memory: the check to run before booking a 
 v5p:4x4x4, ... It compiles exactly what `train.py` runs (steps.make_train_step,
 the config's optimizer, parameter / optimizer-state / batch shardings, donated state),
 then prints the per-device memory XLA will allocate against the chip's HBM, the compiled
-FLOPs per device against the model-FLOPs estimate (metrics.training_flops_per_token), and
+FLOPs per device against the model-FLOPs estimate (flops.training_flops_per_token), and
 "fits" or "does not fit". Exits 1 when it does not fit, so scripts can gate on it.
 
 Reading the FLOPs: XLA's cost analysis counts the body of a loop once, so with
@@ -57,51 +57,7 @@ from ml_collections import config_flags  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tpu_v5e.py", "Config file.")
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", "v5e:16x16", "TPU slice as libtpu names it: v5e:16x16, v6e:8x8, v5p:4x4x4"
-)
-_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (multi-slice).")
-_HBM_GIB = flags.DEFINE_float(
-    "hbm_gib", 0.0, "Memory per device in GiB (0: the chip's HBM from the table)."
-)
-_JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
-_DUMP_DIR = flags.DEFINE_string(
-    "dump_dir",
-    "",
-    "Keep XLA's dump of the compiled step here (HLO, buffer assignment, "
-    "memory-usage report); by default it goes to a temporary folder, then away.",
-)
-_TOP_BUFFERS = flags.DEFINE_integer(
-    "top_buffers",
-    10,
-    "Print this many rows of XLA's memory-usage report (the largest "
-    "allocations at peak; 0: skip the dump it needs).",
-)
-
 GiB = 2**30
-
-# HBM per device (one JAX device per chip on all of these), from cloud.google.com/tpu/docs
-# system-architecture pages. Other chips need --hbm_gib (libtpu describes v4 as two
-# devices per chip, so the chip's figure is not a device's). Matched as substrings of
-# device_kind, most specific first: v5e reports "TPU v5 lite", v5p plain "TPU v5".
-HBM_GIB = (
-    ("TPU v6 lite", 32.0),
-    ("TPU v6e", 32.0),
-    ("TPU v5 lite", 16.0),
-    ("TPU v5e", 16.0),
-    ("TPU v5p", 95.0),
-    ("TPU v5", 95.0),
-)
-
-
-def hbm_bytes(device_kind: str, override_gib: float = 0.0) -> float | None:
-    if override_gib > 0:
-        return override_gib * GiB
-    for name, gib in HBM_GIB:
-        if name.lower() in device_kind.lower():
-            return gib * GiB
-    return None
 
 
 def topology_devices(topology: str, num_slices: int = 1) -> list:
@@ -125,117 +81,86 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
     return list(desc.devices)
 
 
-def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
-    """Lowers and compiles train.py's step for `devices`; returns its per-device figures
-    (with "error" set, and no memory breakdown, when XLA finds it does not fit)."""
+def lower_train_step(config, devices):
+    """(the training setup, train.py's step lowered for `devices`): the same builder,
+    shardings and donated state train.py uses, from abstract values (nothing allocated)."""
+    from gpt_oss_train.training import state as state_lib
+
+    setup = state_lib.build(config, devices=devices)
+    with setup.scope():
+        return setup, setup.train_step.lower(setup.abstract_state, setup.abstract_batch())
+
+
+def _state_figures(setup, devices) -> dict:
+    """The state's bytes per device against an even split over the mesh axes that shard
+    any parameter: the gap is state left replicated, by rules that leave an axis out for
+    some weights or by dims an axis does not divide (sharding.fit_spec drops it)."""
     import jax
-    import jax.numpy as jnp
 
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train import sharding
-    from gpt_oss_train.model.transformer import ModelDef
-    from gpt_oss_train.training import metrics, steps
+    from gpt_oss_train.model import parameters
+    from gpt_oss_train.training import flops
 
-    config_lib.validate(config)
-    t = config.train
-    model_cfg = config_lib.ModelConfig.from_config(config)
-    rules = sharding.validate_rules(config.logical_axis_rules)
-    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
-    divisor = sharding.batch_divisor(mesh, rules) * t.grad_accum_steps
-    if t.global_batch_size % divisor:
-        raise config_lib.ConfigError(
-            f"config.train.global_batch_size={t.global_batch_size} must be a multiple of "
-            f"{divisor} (the batch shards x grad_accum_steps)"
-        )
-    model_def = ModelDef(model_cfg)
-    tx, schedule = steps.make_optimizer(t)
-
-    # The same shardings and abstract values train.py builds, with no array allocated.
-    # Built outside the mesh context: optax creates its step counters eagerly, and under
-    # a mesh of compile-only devices an eager op has nowhere to run.
-    param_sh = model_def.shardings(mesh, rules)
-    abstract_params = model_def.abstract_params(mesh, rules)
-    opt_sh = steps.opt_state_shardings(tx, abstract_params, param_sh, mesh)
-    abstract_opt = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(tx.init, abstract_params),
-        opt_sh,
-    )
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
-    state = {
-        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-        "params": abstract_params,
-        "opt_state": abstract_opt,
-    }
-    batch_sh = sharding.batch_sharding(mesh, rules, 2)
-    # data.global_batch's keys and dtype.
-    batch = {
-        k: jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), jnp.int32, sharding=batch_sh)
-        for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")
-    }
-
-    # The state's bytes per device against an even split over the mesh axes that shard
-    # any parameter: the gap is state left replicated, by rules that leave an axis out for
-    # some weights or by dims an axis does not divide (sharding._fit drops it silently).
-    leaves = jax.tree.leaves({"params": abstract_params, "opt_state": abstract_opt})
+    abstract = setup.abstract_state
+    leaves = jax.tree.leaves({"params": abstract["params"], "opt_state": abstract["opt_state"]})
     state_bytes = sum(a.size * a.dtype.itemsize for a in leaves)
     state_per_device = sum(
         math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves
     )
     param_axes = {
         ax
-        for s in jax.tree.leaves(param_sh)
+        for s in jax.tree.leaves(setup.state_shardings["params"])
         for entry in s.spec
         if entry is not None
         for ax in ((entry,) if isinstance(entry, str) else entry)
     }
-    state_split = math.prod(mesh.shape[ax] for ax in param_axes)
-    counts = metrics.param_counts(model_cfg)
+    mc, t = setup.model_cfg, setup.config.train
+    counts = parameters.counts(mc)
     tokens = t.global_batch_size * t.seq_len
-    info = {
+    return {
         "state_bytes_per_device": state_per_device,
-        "state_bytes_even_split": state_bytes / state_split,
+        "state_bytes_even_split": state_bytes / math.prod(setup.mesh.shape[a] for a in param_axes),
         "state_split_axes": sorted(param_axes),
-        "mesh": dict(mesh.shape),
+        "mesh": dict(setup.mesh.shape),
         "devices": len(devices),
         "device_kind": devices[0].device_kind,
         "params_total": counts["total"],
         "params_active": counts["active"],
         "tokens_per_step": tokens,
         "loop_trips": {
-            "layer_blocks": model_cfg.num_blocks if model_cfg.scan_layers else 1,
+            "layer_blocks": mc.num_blocks if mc.scan_layers else 1,
             "microbatches": t.grad_accum_steps,
         },
         "model_flops_per_device": (
-            metrics.training_flops_per_token(model_cfg, t.seq_len)["total"] * tokens / len(devices)
+            flops.training_flops_per_token(mc, t.seq_len)["total"] * tokens / len(devices)
         ),
     }
-    with sharding.use_mesh(mesh, rules):
-        step = jax.jit(
-            steps.make_train_step(model_def, tx, schedule, t),
-            in_shardings=(state_sh, batch_sh),
-            out_shardings=(state_sh, None),
-            donate_argnums=0,
-        )
-        t0 = time.perf_counter()
-        lowered = step.lower(state, batch)
-        info["lower_s"] = time.perf_counter() - t0
-        # The dump holds XLA's memory-usage report, which it writes even when the program
-        # does not fit: the only way to see what filled the memory in that case.
-        options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "NONE"} if dump_dir else {}
-        t0 = time.perf_counter()
-        try:
+
+
+def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
+    """Lowers and compiles train.py's step for `devices`; returns its per-device figures
+    (with "error" set, and no memory breakdown, when XLA finds it does not fit)."""
+    import jax
+
+    t0 = time.perf_counter()
+    setup, lowered = lower_train_step(config, devices)
+    info = _state_figures(setup, devices)
+    info["lower_s"] = time.perf_counter() - t0
+    # The dump holds XLA's memory-usage report, which it writes even when the program does
+    # not fit: the only way to see what filled the memory in that case.
+    options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "NONE"} if dump_dir else {}
+    t0 = time.perf_counter()
+    try:
+        with setup.scope():
             compiled = lowered.compile(compiler_options=options)
-        except jax.errors.JaxRuntimeError as e:
-            info["compile_s"] = time.perf_counter() - t0
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            # XLA's own verdict, e.g. "HLO temporaries (17.09G) exceeds available HBM (15.75G)",
-            # or an on-chip scratch (VMEM) overflow of one kernel.
-            info["error"] = " ".join(str(e).split())[:800]
-            return _finish(info, None)
+    except jax.errors.JaxRuntimeError as e:
         info["compile_s"] = time.perf_counter() - t0
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # XLA's own verdict, e.g. "HLO temporaries (17.09G) exceeds available HBM (15.75G)",
+        # or an on-chip scratch (VMEM) overflow of one kernel.
+        info["error"] = " ".join(str(e).split())[:800]
+        return _finish(info, None)
+    info["compile_s"] = time.perf_counter() - t0
     return _finish(info, compiled)
 
 
@@ -267,7 +192,9 @@ def _finish(info: dict, compiled) -> dict:
 
 def verdict(r: dict, hbm_override_gib: float = 0.0) -> dict:
     """Adds hbm_bytes and fits (None when the chip's HBM is unknown)."""
-    r["hbm_bytes"] = hbm_bytes(r["device_kind"], hbm_override_gib)
+    from gpt_oss_train import hardware
+
+    r["hbm_bytes"] = hardware.hbm_bytes(r["device_kind"], hbm_override_gib)
     if r["error"]:
         r["fits"] = False
     elif r["hbm_bytes"] is None:
@@ -324,7 +251,7 @@ def report(r: dict) -> str:
     if excess > 0.5 * r["state_bytes_even_split"] and excess > 2**26:
         lines.append(
             "            (some weights are replicated over one of those axes: see "
-            "logical_axis_rules, and sharding._fit for dims an axis does not divide)"
+            "logical_axis_rules, and sharding.fit_spec for dims an axis does not divide)"
         )
     if r["error"]:
         lines.append(f"XLA         {r['error']}")
@@ -439,24 +366,52 @@ def run(
     return verdict(r, hbm_override_gib)
 
 
+def _define_flags():
+    """Defined when run as a program only, so tests can import this module beside
+    gpt_oss_train.train (which defines its own --config)."""
+    config_flags.DEFINE_config_file("config", "configs/tpu_v5e.py", "Config file.")
+    flags.DEFINE_string(
+        "topology", "v5e:16x16", "TPU slice as libtpu names it: v5e:16x16, v6e:8x8, v5p:4x4x4"
+    )
+    flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (multi-slice).")
+    flags.DEFINE_float(
+        "hbm_gib", 0.0, "Memory per device in GiB (0: the chip's HBM from the table)."
+    )
+    flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
+    flags.DEFINE_string(
+        "dump_dir",
+        "",
+        "Keep XLA's dump of the compiled step here (HLO, buffer assignment, "
+        "memory-usage report); by default it goes to a temporary folder, then away.",
+    )
+    flags.DEFINE_integer(
+        "top_buffers",
+        10,
+        "Print this many rows of XLA's memory-usage report (the largest "
+        "allocations at peak; 0: skip the dump it needs).",
+    )
+
+
 def main(argv):
     del argv
+    f = flags.FLAGS
     r = run(
-        _CONFIG.value,
-        _TOPOLOGY.value,
-        _NUM_SLICES.value,
-        _HBM_GIB.value,
-        _TOP_BUFFERS.value,
-        _DUMP_DIR.value,
+        f["config"].value,
+        f.topology,
+        f.num_slices,
+        f.hbm_gib,
+        f.top_buffers,
+        f.dump_dir,
     )
     print(report(r))
     print(json.dumps(r), flush=True)
-    if _JSON.value:
-        with open(_JSON.value, "w") as f:
-            json.dump(r, f, indent=2)
+    if f.json:
+        with open(f.json, "w") as out:
+            json.dump(r, out, indent=2)
     if r["fits"] is False:
         sys.exit(1)
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -49,16 +49,6 @@ _PEAK_BW = flags.DEFINE_float(
     "bandwidth share (0: look up H100/H200/TPU figures).",
 )
 
-# HBM bandwidth per device (bytes/s), from the vendors' datasheets.
-PEAK_BANDWIDTH = {
-    "H200": 4.8e12,
-    "H100": 3.35e12,
-    "TPU v5 lite": 0.819e12,
-    "TPU v5": 2.765e12,
-    "TPU v6 lite": 1.64e12,
-    "TPU v4": 1.2e12,
-}
-
 
 def _emit(record: dict):
     print(json.dumps(record), flush=True)
@@ -72,65 +62,47 @@ def _memory_gb(device) -> float | None:
 
 def bench_train(config):
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train import sharding
-    from gpt_oss_train.model.transformer import ModelDef
-    from gpt_oss_train.training import metrics, steps
+    from gpt_oss_train import hardware
+    from gpt_oss_train.training import flops
+    from gpt_oss_train.training import state as state_lib
 
-    config_lib.validate(config)
-    t = config.train
-    mc = config_lib.ModelConfig.from_config(config)
-    md = ModelDef(mc)
-    rules = sharding.validate_rules(config.logical_axis_rules)
-    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
-    tx, schedule = steps.make_optimizer(t)
-    with sharding.use_mesh(mesh, rules):
-        params = md.init(config.seed, mesh, rules)
-        param_sh = md.shardings(mesh, rules)
-        opt_sh = steps.opt_state_shardings(tx, md.abstract_params(mesh, rules), param_sh, mesh)
-        opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-        state = {"step": jnp.int32(0), "params": params, "opt_state": opt_state}
-        rng = np.random.RandomState(0)
-        b, s = t.global_batch_size, t.seq_len
-        batch = {
-            "inputs": rng.randint(0, mc.vocab_size, (b, s)),
-            "targets": rng.randint(0, mc.vocab_size, (b, s)),
-            "positions": np.tile(np.arange(s), (b, 1)),
-            "segment_ids": np.ones((b, s)),
-            "loss_mask": np.ones((b, s)),
-        }
-        batch = jax.device_put(
-            {k: v.astype(np.int32) for k, v in batch.items()},
-            sharding.batch_sharding(mesh, rules, 2),
-        )
-        step = jax.jit(steps.make_train_step(md, tx, schedule, t), donate_argnums=0)
+    setup = state_lib.build(config)  # what train.py runs
+    t, mc = config.train, setup.model_cfg
+    state = setup.init_state()
+    rng = np.random.RandomState(0)
+    b, s = t.global_batch_size, t.seq_len
+    batch = {
+        "inputs": rng.randint(0, mc.vocab_size, (b, s)),
+        "targets": rng.randint(0, mc.vocab_size, (b, s)),
+        "positions": np.tile(np.arange(s), (b, 1)),
+        "segment_ids": np.ones((b, s)),
+        "loss_mask": np.ones((b, s)),
+    }
+    batch = jax.device_put({k: v.astype(np.int32) for k, v in batch.items()}, setup.batch_sharding)
+    with setup.scope():
         t0 = time.perf_counter()
-        state, out = step(state, batch)
+        state, out = setup.train_step(state, batch)
         jax.block_until_ready(out)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(_STEPS.value):
-            state, out = step(state, batch)
+            state, out = setup.train_step(state, batch)
         jax.block_until_ready(out)
         dt = (time.perf_counter() - t0) / _STEPS.value
-    flops = metrics.training_flops_per_token(mc, s)["total"]
-    peak = metrics.peak_flops_per_device(
-        jax.devices()[0].device_kind, t.peak_flops_per_device or None
-    )
-    perf = metrics.throughput_metrics(
+    kind = jax.devices()[0].device_kind
+    perf = flops.throughput_metrics(
         step_time_s=dt,
         tokens_per_step=b * s,
         num_devices=jax.device_count(),
-        flops_per_token=flops,
-        peak=peak,
+        flops_per_token=flops.training_flops_per_token(mc, s)["total"],
+        peak=hardware.peak_flops(kind, t.peak_flops_per_device or None),
     )
     _emit(
         {
             "mode": "train",
-            "device": jax.devices()[0].device_kind,
+            "device": kind,
             "devices": jax.device_count(),
             "layers": mc.num_layers,
             "experts": mc.num_experts,
@@ -151,9 +123,9 @@ def bench_train(config):
 def active_weight_bytes(mc, bytes_per_weight: float) -> float:
     """Weights one decode step must read for one token: attention, router, k experts per
     layer, the unembedding ("active" parameters leave out the embedding, a one-row gather)."""
-    from gpt_oss_train.training import metrics
+    from gpt_oss_train.model import parameters
 
-    return metrics.param_counts(mc)["active"] * bytes_per_weight
+    return parameters.counts(mc)["active"] * bytes_per_weight
 
 
 def bench_decode(config):
@@ -162,25 +134,14 @@ def bench_decode(config):
     import jax
     import numpy as np
 
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train import decode, sharding
-    from gpt_oss_train.inference import benchmarking
-    from gpt_oss_train.model import quantize
-    from gpt_oss_train.model.transformer import ModelDef
+    from gpt_oss_train import hardware
+    from gpt_oss_train.inference import benchmarking, engine
 
-    config = decode.runtime_config(config)
-    mc = config_lib.ModelConfig.from_config(config)
-    md = ModelDef(mc)
-    rules = sharding.validate_rules(config.logical_axis_rules)
-    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn)
+    model = engine.random_model(config, int8_weights=_INT8.value)
+    mc = model.cfg
     kind = jax.devices()[0].device_kind
-    bw = _PEAK_BW.value or next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None)
-    with sharding.use_mesh(mesh, rules):
-        params = md.init(config.seed, mesh, rules)
-        if _INT8.value:
-            params = jax.jit(quantize.quantize_params)(params)
-    model = decode.LoadedModel(md, params, mesh, rules, "random", "", config.train.loss_chunk_size)
-    opts = decode.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
+    bw = hardware.hbm_bandwidth(kind, _PEAK_BW.value)
+    opts = engine.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
     rows = benchmarking.benchmark(
         model,
         batch_sizes=[int(b) for b in _BATCH_SIZES.value],
@@ -216,12 +177,11 @@ def _profile_decode(model, opts):
     """One traced generate call per batch size (already compiled by the benchmark)."""
     import jax
 
-    from gpt_oss_train import decode
-    from gpt_oss_train.inference import benchmarking
+    from gpt_oss_train.inference import benchmarking, engine
     from gpt_oss_train.inference.generate import cache_length
 
     length, new = _PROMPT_LEN.value, _NEW_TOKENS.value
-    gen = model.generator(decode.prefill_chunk_for(opts.prefill_chunk, length), False)
+    gen = model.generator(engine.prefill_chunk_for(opts.prefill_chunk, length), False)
     for batch in [int(b) for b in _BATCH_SIZES.value]:
         prompts = benchmarking.benchmark_prompts(model.cfg.vocab_size, batch, length, opts.seed)
         out_dir = os.path.join(_PROFILE_DIR.value, f"batch{batch}")

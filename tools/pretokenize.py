@@ -25,8 +25,8 @@ from absl import app, flags, logging
 # Runnable as `python tools/pretokenize.py` from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpt_oss_train.training import data, sources  # noqa: E402
 from gpt_oss_train.io.tokenizer import VOCAB_SIZE, Tokenizer  # noqa: E402
+from gpt_oss_train.training import data, sources  # noqa: E402
 
 _SOURCE = flags.DEFINE_string("source", None, "Corpus spec: stdlib, tfds:NAME, a path or glob.")
 _OUTPUT = flags.DEFINE_string("output", None, "New or empty directory for the shards.")

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from gpt_oss_train.inference.engine import DecodeError, cache_limit, prefill_chunk_for
 from gpt_oss_train.inference.generate import cache_length
 
 
@@ -45,8 +46,7 @@ def benchmark(
 ) -> list[dict]:
     """Per (batch, prompt length): after one warm-up (compilation), the medians over
     `repeats` runs of time to first token, prefill tokens/s and decode tokens/s.
-    `model` is a decode.LoadedModel, `opts` decode.Options."""
-    from gpt_oss_train.decode import DecodeError, cache_limit, prefill_chunk_for
+    `model` is an engine.LoadedModel, `opts` engine.Options."""
 
     limit = cache_limit(model.cfg.max_position_embeddings, opts)
     md = model.md

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import sys
 
+from gpt_oss_train.inference import engine
 from gpt_oss_train.inference.generate import cache_length
 from gpt_oss_train.io import tokenizer as tok_lib
 
@@ -102,23 +103,14 @@ class ReplyStream:
         return messages
 
 
-def print_reply(tokens: list[int], out, *, show_analysis: bool, tty: bool) -> list[dict]:
-    """A whole reply at once through the same path as streaming; returns its messages."""
-    stream = ReplyStream(tok_lib.Tokenizer(), out, show_analysis=show_analysis, tty=tty)
-    for t in tokens:
-        stream.feed(t)
-    return stream.finish()
-
-
 def run_chat(model, opts, stdin=None, stdout=None) -> int:
-    """The chat loop over a loaded model (decode.LoadedModel) and decode.Options."""
-    from gpt_oss_train import decode  # decode imports this module lazily: no cycle at load
+    """The chat loop over a loaded model (engine.LoadedModel) and engine.Options."""
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     interactive = stdin.isatty()
     tok = tok_lib.Tokenizer()
-    limit = decode.cache_limit(model.cfg.max_position_embeddings, opts)
+    limit = engine.cache_limit(model.cfg.max_position_embeddings, opts)
     stream = ReplyStream(tok, stdout, show_analysis=opts.show_analysis, tty=stdout.isatty())
     gen = model.generator(opts.prefill_chunk, opts.int8_kv_cache, on_token=stream.on_token)
     history: list[dict] = []
@@ -157,7 +149,7 @@ def run_chat(model, opts, stdin=None, stdout=None) -> int:
             out = gen.generate(
                 [prompt],
                 max_new_tokens=opts.max_new_tokens,
-                stop_ids=decode.stop_slots(tok.stop_ids),
+                stop_ids=engine.stop_slots(tok.stop_ids),
                 sampling=opts.sampling,
                 seeds=[(opts.seed + turn) % 2**32],
                 max_len=max_len,
@@ -177,7 +169,7 @@ def run_chat(model, opts, stdin=None, stdout=None) -> int:
             or [
                 {
                     "role": "assistant",
-                    "content": decode.completion_text(out["tokens"], "stop") or "",
+                    "content": engine.completion_text(out["tokens"], "stop") or "",
                 }
             ]
         )

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from gpt_oss_train.config import ModelConfig
-from gpt_oss_train.model.transformer import DTYPES, KVCache, ModelDef
+from gpt_oss_train.model import kv_cache
+from gpt_oss_train.model.transformer import DTYPES, ModelDef
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,24 +37,6 @@ class SamplingParams:
 def cache_length(needed: int, minimum: int = 256) -> int:
     """Cache buckets: powers of two, so only a few shapes are ever compiled."""
     return max(minimum, 1 << max(0, needed - 1).bit_length())
-
-
-def init_cache(
-    cfg: ModelConfig, batch: int, max_len: int, ring: int, dtype, int8: bool = False
-) -> dict:
-    """Empty caches for every block, stacked on a leading [num_blocks] axis."""
-
-    def layer(slots):
-        shape = (cfg.num_blocks, batch, slots, cfg.num_kv_heads, cfg.head_dim)
-        pos = jnp.full((cfg.num_blocks, batch, slots), -1, jnp.int32)
-        if int8:
-            scale = lambda: jnp.zeros(shape[:-1] + (1,), jnp.float32)  # separate buffers: donated
-            return KVCache(
-                jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8), pos, scale(), scale()
-            )
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), pos)
-
-    return {"sliding": layer(ring), "full": layer(max_len)}
 
 
 def _sample(logits, keys, step, sp: SamplingParams):
@@ -187,7 +169,7 @@ class Generator:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
             positions[i, : len(p)] = np.arange(len(p))
-        cache = init_cache(self.cfg, b, max_len, self.ring, self.dtype, self.int8_kv)
+        cache = kv_cache.init(self.cfg, b, max_len, self.ring, self.dtype, self.int8_kv)
         last = None
         for start in range(0, padded, self.chunk):
             sl = slice(start, start + self.chunk)
@@ -243,7 +225,7 @@ class Generator:
         seeds: Sequence[int] | None = None,
     ) -> list[dict]:
         """The token loop of `generate`, from what `prefill(prompts, max_len)` returned; a
-        separate step so callers can time prefill and decode apart (decode.py's benchmark).
+        separate step so callers can time prefill and decode apart (inference/benchmarking.py).
         The cache is donated: it cannot be used again."""
         seeds = list(seeds) if seeds is not None else [0] * len(lengths)
         keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))

@@ -33,7 +33,8 @@ dense tensors); the codec is :mod:`gpt_oss_train.io.mxfp4`. config.json is mappe
 
 Our tree (the contract with the model) groups HF layers in 2-layer blocks: HF layer 2i is
 block i of ``blocks/sliding``, HF layer 2i+1 is block i of ``blocks/full``; every block
-parameter carries a leading ``L2 = num_layers // 2`` axis. See :func:`param_shapes`.
+parameter carries a leading ``L2 = num_layers // 2`` axis. Which HF tensor holds which of
+our parameters, and in what layout, is declared once in :mod:`gpt_oss_train.model.parameters`.
 """
 
 from __future__ import annotations
@@ -43,13 +44,12 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
 from gpt_oss_train.io.hf_config import (
-    check_model_dict,
     generation_config,
     hf_config_to_model_dict,
     model_dict_to_hf_config,
@@ -62,17 +62,11 @@ from gpt_oss_train.io.safetensors_io import (
     read_header,
     write_safetensors,
 )
+from gpt_oss_train.model import parameters
+from gpt_oss_train.model.parameters import KINDS, Param
 
-__all__ = [
-    "HFCheckpoint",
-    "param_shapes",
-    "hf_tensor_names",
-    "load_params",
-    "load_sharded",
-    "save_hf",
-]
+__all__ = ["HFCheckpoint", "param_shapes", "load_sharded", "save_hf"]
 
-KINDS = ("sliding", "full")  # block i of KINDS[j] is HF layer 2i + j
 _SAVE_DTYPES = {
     "float32": ("F32", np.dtype("<f4")),
     "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16)),
@@ -83,169 +77,54 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 # --------------------------------------------------------------------------
-# Name / layout mapping
+# Which HF tensors a model has (derived from model/parameters.py)
 # --------------------------------------------------------------------------
-
-
-def _dims(m: Mapping[str, Any]) -> dict[str, int]:
-    return dict(
-        V=int(m["vocab_size"]),
-        D=int(m["hidden_size"]),
-        N=int(m["num_heads"]),
-        K=int(m["num_kv_heads"]),
-        H=int(m["head_dim"]),
-        E=int(m["num_experts"]),
-        F=int(m["intermediate_size"]),
-        L2=int(m["num_layers"]) // 2,
-    )
-
-
-# Block leaves: leaf -> per-layer shape (without the L2 axis), in terms of _dims.
-_BLOCK_LEAVES = {
-    "attn_norm/scale": "D",
-    "mlp_norm/scale": "D",
-    "attn/q_kernel": "D N H",
-    "attn/q_bias": "N H",
-    "attn/k_kernel": "D K H",
-    "attn/k_bias": "K H",
-    "attn/v_kernel": "D K H",
-    "attn/v_bias": "K H",
-    "attn/o_kernel": "N H D",
-    "attn/o_bias": "D",
-    "attn/sinks": "N",
-    "moe/router_kernel": "D E",
-    "moe/router_bias": "E",
-    "moe/wi_gate": "E D F",
-    "moe/wi_up": "E D F",
-    "moe/bi_gate": "E F",
-    "moe/bi_up": "E F",
-    "moe/wo": "E F D",
-    "moe/bo": "E D",
-}
-_TOP_LEAVES = {"embed/embedding": "V D", "final_norm/scale": "D", "unembed/kernel": "D V"}
-
-
-def _shape(spec: str, d: Mapping[str, int]) -> tuple[int, ...]:
-    return tuple(d[c] for c in spec.split())
 
 
 def param_shapes(m: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every path of our parameter tree -> its shape, in a fixed order."""
-    d = _dims(m)
-    out: dict[str, tuple[int, ...]] = {"embed/embedding": _shape("V D", d)}
-    for kind in KINDS:
-        for leaf, spec in _BLOCK_LEAVES.items():
-            out[f"blocks/{kind}/{leaf}"] = (d["L2"], *_shape(spec, d))
-    out["final_norm/scale"] = _shape("D", d)
-    out["unembed/kernel"] = _shape("D V", d)
-    return out
+    return {path: shape for path, _, shape, _ in parameters.leaves(m)}
 
 
-def _split_path(path: str) -> tuple[str | None, str]:
-    """'blocks/full/attn/q_kernel' -> ('full', 'attn/q_kernel'); top-level -> (None, path)."""
-    parts = path.split("/")
-    if len(parts) >= 3 and parts[0] == "blocks" and parts[1] in KINDS:
-        leaf = "/".join(parts[2:])
-        if leaf in _BLOCK_LEAVES:
-            return parts[1], leaf
-    elif path in _TOP_LEAVES:
-        return None, path
-    raise KeyError(f"unknown parameter path {path!r}")
+class HFTensorPlan:
+    """One HF tensor: its name, dense shape, and our parameters (tree paths) stored in it
+    (two for a fused tensor), with `layer` the HF layer for per-layer tensors."""
+
+    def __init__(self, name: str, decls: list[Param], paths: list[str], layer: int | None, sizes):
+        self.name, self.decls, self.paths, self.layer = name, decls, paths, layer
+        shape = parameters.shape(decls[0].hf.dims, sizes)
+        self.shape = (*shape[:-1], shape[-1] * len(decls))
+        self.mxfp4 = decls[0].hf.mxfp4
+
+    @property
+    def block(self) -> int | None:
+        """The index along our stacked [num_layers / 2] axis (None: a top-level tensor)."""
+        return None if self.layer is None else self.layer // 2
 
 
-# HF per-layer tensor suffix -> (our leaves, HF shape spec). Conversion functions below.
-_HF_LAYER = {
-    "input_layernorm.weight": (("attn_norm/scale",), "D"),
-    "post_attention_layernorm.weight": (("mlp_norm/scale",), "D"),
-    "self_attn.q_proj.weight": (("attn/q_kernel",), "NH D"),
-    "self_attn.q_proj.bias": (("attn/q_bias",), "NH"),
-    "self_attn.k_proj.weight": (("attn/k_kernel",), "KH D"),
-    "self_attn.k_proj.bias": (("attn/k_bias",), "KH"),
-    "self_attn.v_proj.weight": (("attn/v_kernel",), "KH D"),
-    "self_attn.v_proj.bias": (("attn/v_bias",), "KH"),
-    "self_attn.o_proj.weight": (("attn/o_kernel",), "D NH"),
-    "self_attn.o_proj.bias": (("attn/o_bias",), "D"),
-    "self_attn.sinks": (("attn/sinks",), "N"),
-    "mlp.router.weight": (("moe/router_kernel",), "E D"),
-    "mlp.router.bias": (("moe/router_bias",), "E"),
-    "mlp.experts.gate_up_proj": (("moe/wi_gate", "moe/wi_up"), "E D 2F"),
-    "mlp.experts.gate_up_proj_bias": (("moe/bi_gate", "moe/bi_up"), "E 2F"),
-    "mlp.experts.down_proj": (("moe/wo",), "E F D"),
-    "mlp.experts.down_proj_bias": (("moe/bo",), "E D"),
-}
-_LEAF_TO_HF = {
-    leaf: (suffix, j) for suffix, (leaves, _) in _HF_LAYER.items() for j, leaf in enumerate(leaves)
-}
-_HF_TOP = {
-    "model.embed_tokens.weight": ("embed/embedding", "V D"),
-    "model.norm.weight": ("final_norm/scale", "D"),
-    "lm_head.weight": ("unembed/kernel", "V D"),
-}
-_TOP_TO_HF = {leaf: name for name, (leaf, _) in _HF_TOP.items()}
-_MX_PROJ = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def _hf_shape(spec: str, d: Mapping[str, int]) -> tuple[int, ...]:
-    ext = dict(d, NH=d["N"] * d["H"], KH=d["K"] * d["H"])
-    ext["2F"] = 2 * d["F"]
-    return tuple(ext[c] for c in spec.split())
-
-
-def _layer_name(n: int, suffix: str) -> str:
-    return f"model.layers.{n}.{suffix}"
-
-
-def hf_tensor_names(m: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every dense HF tensor name -> shape, in file order (embed, layers 0..L-1, norm, lm_head)."""
-    d = _dims(m)
-    out = {"model.embed_tokens.weight": _hf_shape("V D", d)}
+def hf_tensors(m: Mapping[str, Any]) -> Iterator[HFTensorPlan]:
+    """Every dense HF tensor of a model, in file order (embedding, layers 0..L-1, final
+    norm, lm_head)."""
+    sizes = parameters.dim_sizes(m)
+    top = parameters.TOP
+    yield HFTensorPlan(
+        top["embed/embedding"].hf.name, [top["embed/embedding"]], ["embed/embedding"], None, sizes
+    )
+    layer_tensors = parameters.hf_layer_tensors()
     for n in range(int(m["num_layers"])):
-        for suffix, (_, spec) in _HF_LAYER.items():
-            out[_layer_name(n, suffix)] = _hf_shape(spec, d)
-    out["model.norm.weight"] = _hf_shape("D", d)
-    out["lm_head.weight"] = _hf_shape("V D", d)
-    return out
+        kind = KINDS[n % 2]
+        for suffix, leaves in layer_tensors.items():
+            decls = [parameters.LAYER[leaf] for leaf in leaves]
+            paths = [f"blocks/{kind}/{leaf}" for leaf in leaves]
+            yield HFTensorPlan(f"model.layers.{n}.{suffix}", decls, paths, n, sizes)
+    for path in ("final_norm/scale", "unembed/kernel"):
+        yield HFTensorPlan(top[path].hf.name, [top[path]], [path], None, sizes)
 
 
-def _hf_to_ours(suffix: str, w: np.ndarray, d: Mapping[str, int]) -> tuple[np.ndarray, ...]:
-    """One HF layer tensor -> our per-layer leaves (views where possible)."""
-    D, N, K, H = d["D"], d["N"], d["K"], d["H"]
-    if suffix == "self_attn.q_proj.weight":
-        return (w.T.reshape(D, N, H),)
-    if suffix in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-        return (w.T.reshape(D, K, H),)
-    if suffix == "self_attn.q_proj.bias":
-        return (w.reshape(N, H),)
-    if suffix in ("self_attn.k_proj.bias", "self_attn.v_proj.bias"):
-        return (w.reshape(K, H),)
-    if suffix == "self_attn.o_proj.weight":
-        return (w.T.reshape(N, H, D),)
-    if suffix == "mlp.router.weight":
-        return (w.T,)
-    if suffix in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"):
-        return (w[..., 0::2], w[..., 1::2])
-    return (w,)
-
-
-def _ours_to_hf(suffix: str, parts: list[np.ndarray], d: Mapping[str, int]) -> np.ndarray:
-    """Our per-layer leaves -> one HF layer tensor."""
-    D = d["D"]
-    w = parts[0]
-    if suffix in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"):
-        return w.reshape(D, -1).T
-    if suffix.endswith("_proj.bias") and suffix.startswith("self_attn.") and "o_proj" not in suffix:
-        return w.reshape(-1)
-    if suffix == "self_attn.o_proj.weight":
-        return w.reshape(-1, D).T
-    if suffix == "mlp.router.weight":
-        return w.T
-    if suffix in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"):
-        g, u = parts
-        out = np.empty((*g.shape[:-1], 2 * g.shape[-1]), np.result_type(g, u))
-        out[..., 0::2] = g
-        out[..., 1::2] = u
-        return out
-    return w
+def _mxfp4_shapes(plan: HFTensorPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the MXFP4 blocks and scales of an [E, in, out] tensor: (out, in) order."""
+    e, i, o = plan.shape
+    return (e, o, i // 32, 16), (e, o, i // 32)
 
 
 # --------------------------------------------------------------------------
@@ -278,7 +157,7 @@ class HFCheckpoint:
             self._model_config = hf_config_to_model_dict(self.hf_config)
         except ValueError as e:
             raise ValueError(f"{cfg_path}: {e}") from None
-        self._dims = _dims(self._model_config)
+        self._sizes = parameters.dim_sizes(self._model_config)
         self._shapes = param_shapes(self._model_config)
         self._tensors = self._index_tensors()
         self._handles: dict[str, Any] = {}
@@ -351,41 +230,31 @@ class HFCheckpoint:
             raise ValueError(f"tensor {name!r} in {t.file} has dtype {t.dtype}, expected {want}")
 
     def _validate(self) -> None:
-        d = self._dims
-        for name, (_, spec) in _HF_TOP.items():
-            self._check(name, _hf_shape(spec, d), "float")
-        for n in range(self._model_config["num_layers"]):
-            for suffix, (_, spec) in _HF_LAYER.items():
-                name = _layer_name(n, suffix)
-                if suffix in _MX_PROJ and name not in self._tensors:
-                    blocks, scales = name + "_blocks", name + "_scales"
-                    if blocks in self._tensors or scales in self._tensors:
-                        dense = _hf_shape(spec, d)  # [E, in, out]
-                        e, i, o = dense
-                        if i % 32:
-                            raise ValueError(
-                                f"tensor {blocks!r}: MXFP4 needs the input size {i} "
-                                "to be a multiple of 32"
-                            )
-                        self._check(blocks, (e, o, i // 32, 16), "u8")
-                        self._check(scales, (e, o, i // 32), "u8")
-                        self._mx_layers.add(n)
-                        continue
+        for plan in hf_tensors(self._model_config):
+            blocks, scales = plan.name + "_blocks", plan.name + "_scales"
+            stored_mxfp4 = blocks in self._tensors or scales in self._tensors
+            if plan.mxfp4 and plan.name not in self._tensors and stored_mxfp4:
+                if plan.shape[1] % 32:
                     raise ValueError(
-                        f"HF checkpoint is missing tensor {name!r} (or its MXFP4 form "
-                        f"{blocks!r} + {scales!r}) in {self._where()}"
+                        f"tensor {blocks!r}: MXFP4 needs the input size {plan.shape[1]} "
+                        "to be a multiple of 32"
                     )
-                self._check(name, _hf_shape(spec, d), "float")
+                blocks_shape, scales_shape = _mxfp4_shapes(plan)
+                self._check(blocks, blocks_shape, "u8")
+                self._check(scales, scales_shape, "u8")
+                self._mx_layers.add(plan.layer)
+            elif plan.mxfp4 and plan.name not in self._tensors:
+                raise ValueError(
+                    f"HF checkpoint is missing tensor {plan.name!r} (or its MXFP4 form "
+                    f"{blocks!r} + {scales!r}) in {self._where()}"
+                )
+            else:
+                self._check(plan.name, plan.shape, "float")
 
     # -- public API --------------------------------------------------------------
     @property
     def model_config(self) -> dict[str, Any]:
         return dict(self._model_config)
-
-    @property
-    def is_mxfp4(self) -> bool:
-        """Whether any layer stores its experts in MXFP4."""
-        return bool(self._mx_layers)
 
     def param_paths(self) -> list[str]:
         return list(self._shapes)
@@ -398,22 +267,17 @@ class HFCheckpoint:
     def read(self, path: str, layers: slice | None = None) -> np.ndarray:
         """Our float32 array for `path`; for block parameters only the stacked blocks in
         `layers` (a slice over the leading L2 axis; None = all). Reads only those tensors."""
-        kind, leaf = _split_path(path)
-        if kind is None:
+        decl, stacked = parameters.lookup(path)
+        if not stacked:
             if layers is not None:
                 raise ValueError(f"{path} has no layer axis; pass layers=None")
-            name = _TOP_TO_HF[path]
-            w = self._tensor(name)
-            if path == "unembed/kernel":
-                w = w.T
+            w = parameters.from_hf(decl, self._tensor(decl.hf.name), self._sizes)
             return np.ascontiguousarray(w, dtype=np.float32)
-        l2 = self._dims["L2"]
-        idx = range(l2)[layers if layers is not None else slice(None)]
-        shape = self._shapes[path]
-        out = np.empty((len(idx), *shape[1:]), np.float32)
-        j = KINDS.index(kind)
+        idx = range(self._shapes[path][0])[layers if layers is not None else slice(None)]
+        out = np.empty((len(idx), *self._shapes[path][1:]), np.float32)
+        j = KINDS.index(path.split("/")[1])
         for k, i in enumerate(idx):
-            out[k] = self._read_layer_leaf(2 * i + j, leaf)
+            out[k] = self._read_layer(2 * i + j, decl)
         return out
 
     def close(self) -> None:
@@ -426,18 +290,18 @@ class HFCheckpoint:
         self.close()
 
     # -- internals -----------------------------------------------------------------
-    def _read_layer_leaf(self, n: int, leaf: str) -> np.ndarray:
-        suffix, j = _LEAF_TO_HF[leaf]
-        if suffix in _MX_PROJ and n in self._mx_layers:
-            name = _layer_name(n, suffix)
+    def _read_layer(self, n: int, decl: Param) -> np.ndarray:
+        name = f"model.layers.{n}.{decl.hf.name}"
+        if decl.hf.mxfp4 and n in self._mx_layers:
             blocks = self._tensor(name + "_blocks")
             scales = self._tensor(name + "_scales")
-            if suffix == "mlp.experts.gate_up_proj":
-                # Output rows are interleaved gate/up: dequantize only the half we need.
-                blocks, scales = blocks[:, j::2], scales[:, j::2]
-            return dequantize_mxfp4(blocks, scales)
-        w = self._tensor(_layer_name(n, suffix))
-        return _hf_to_ours(suffix, w, self._dims)[j]
+            if decl.hf.part is not None:
+                # Output rows of a fused tensor are interleaved: dequantize only our part.
+                blocks, scales = blocks[:, decl.hf.part :: 2], scales[:, decl.hf.part :: 2]
+            w = dequantize_mxfp4(blocks, scales)
+        else:
+            w = parameters.split(decl, self._tensor(name))
+        return parameters.from_hf(decl, w, self._sizes)
 
     def _tensor(self, name: str) -> np.ndarray:
         t = self._tensors[name]
@@ -455,29 +319,6 @@ class HFCheckpoint:
             return np.fromfile(
                 t.file, dtype=dt, count=math.prod(t.shape), offset=start + t.begin
             ).reshape(t.shape)
-
-
-def load_params(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(model_config, nested dict of float32 arrays) for a whole (small) checkpoint."""
-    ckpt = HFCheckpoint(path)
-    tree: dict[str, Any] = {}
-    for p in ckpt.param_paths():
-        _set(tree, p, ckpt.read(p))
-    ckpt.close()
-    return ckpt.model_config, tree
-
-
-def _set(tree: dict, path: str, value: Any) -> None:
-    *head, last = path.split("/")
-    for k in head:
-        tree = tree.setdefault(k, {})
-    tree[last] = value
-
-
-def _get_tree(tree: Mapping, path: str) -> Any:
-    for k in path.split("/"):
-        tree = tree[k]
-    return tree
 
 
 # --------------------------------------------------------------------------
@@ -525,103 +366,97 @@ def save_hf(
         raise ValueError(f"save_hf: dtype must be one of {sorted(_SAVE_DTYPES)}, got {dtype!r}")
     out_dir = os.path.abspath(os.fspath(out_dir))
     m = dict(model_config)
-    check_model_dict(m)
     hf_cfg = model_dict_to_hf_config(m, dtype=dtype)
     hf_config_to_model_dict(hf_cfg)  # validates the model config through the reader
-    st, np_dt = _SAVE_DTYPES[dtype]
-    d = _dims(m)
-    shapes = param_shapes(m)
-    if mxfp4 and (d["D"] % 32 or d["F"] % 32):
+    sizes = parameters.dim_sizes(m)
+    if mxfp4 and (sizes["D"] % 32 or sizes["F"] % 32):
         raise ValueError(
-            f"save_hf(mxfp4=True) needs hidden_size ({d['D']}) and "
-            f"intermediate_size ({d['F']}) divisible by 32"
+            f"save_hf(mxfp4=True) needs hidden_size ({sizes['D']}) and "
+            f"intermediate_size ({sizes['F']}) divisible by 32"
         )
     _check_out_dir(out_dir)
+    plan = _write_plan(m, _param_fetcher(m, get_param), _SAVE_DTYPES[dtype], mxfp4)
+    if mxfp4:
+        hf_cfg["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
+    _write_folder(out_dir, plan, max_shard_bytes, hf_cfg, generation_config(m))
 
+
+def _param_fetcher(m: Mapping[str, Any], get_param) -> Callable[[str, int | None], np.ndarray]:
+    """fetch(path, block) -> our numpy array for one parameter (one block of a stacked
+    one), checked against the declared shape."""
+    shapes = param_shapes(m)
     if callable(get_param):
         getter = get_param
     else:
-        tree = get_param
 
         def getter(path, layers):
-            a = _get_tree(tree, path)
+            a = get_param
+            for k in path.split("/"):
+                a = a[k]
             return a if layers is None else a[layers]
 
-    def fetch(path: str, layer: int | None) -> np.ndarray:
-        want = shapes[path] if layer is None else shapes[path][1:]
-        a = getter(path, None if layer is None else slice(layer, layer + 1))
-        a = np.asarray(a)
-        if layer is not None:
-            if a.shape != (1, *want):
-                raise ValueError(
-                    f"get_param({path!r}, slice({layer}, {layer + 1})) returned shape "
-                    f"{a.shape}, expected {(1, *want)}"
+    def fetch(path: str, block: int | None) -> np.ndarray:
+        want = shapes[path] if block is None else (1, *shapes[path][1:])
+        a = np.asarray(getter(path, None if block is None else slice(block, block + 1)))
+        if a.shape != want:
+            asked = "None" if block is None else f"slice({block}, {block + 1})"
+            raise ValueError(
+                f"get_param({path!r}, {asked}) returned shape {a.shape}, expected {want}"
+            )
+        return a if block is None else a[0]
+
+    return fetch
+
+
+def _write_plan(m, fetch, save_dtype, mxfp4: bool) -> list[tuple[str, str, tuple, Callable]]:
+    """(HF name, safetensors dtype, shape, producer) for every tensor to write, in file
+    order; MXFP4 tensors become a blocks + scales pair quantized once."""
+    st, np_dt = save_dtype
+    out = []
+    for plan in hf_tensors(m):
+
+        def dense(plan=plan):
+            parts = [
+                parameters.to_hf(d, fetch(p, plan.block)) for d, p in zip(plan.decls, plan.paths)
+            ]
+            return parameters.fuse(parts)
+
+        if not (mxfp4 and plan.mxfp4):
+            out.append(
+                (
+                    plan.name,
+                    st,
+                    plan.shape,
+                    lambda dense=dense: np.ascontiguousarray(dense().astype(np_dt, copy=False)),
                 )
-            a = a[0]
-        elif a.shape != want:
-            raise ValueError(f"get_param({path!r}, None) returned shape {a.shape}, expected {want}")
-        return a
+            )
+            continue
+        cache: dict[str, np.ndarray] = {}
 
-    # Plan: (hf name, safetensors dtype, shape, producer).
-    plan: list[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]] = []
+        def quantized(part, dense=dense, cache=cache):
+            if not cache:
+                cache["blocks"], cache["scales"] = quantize_mxfp4(dense())
+            return cache.pop(part)
 
-    def cast(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a.astype(np_dt, copy=False))
+        blocks_shape, scales_shape = _mxfp4_shapes(plan)
+        out.append((plan.name + "_blocks", "U8", blocks_shape, lambda q=quantized: q("blocks")))
+        out.append((plan.name + "_scales", "U8", scales_shape, lambda q=quantized: q("scales")))
+    return out
 
-    plan.append(
-        (
-            "model.embed_tokens.weight",
-            st,
-            _hf_shape("V D", d),
-            lambda: cast(fetch("embed/embedding", None)),
-        )
-    )
-    for n in range(int(m["num_layers"])):
-        i, kind = n // 2, KINDS[n % 2]
-        for suffix, (leaves, spec) in _HF_LAYER.items():
-            name = _layer_name(n, suffix)
-            paths = [f"blocks/{kind}/{leaf}" for leaf in leaves]
 
-            def combined(suffix=suffix, paths=paths, i=i):
-                return _ours_to_hf(suffix, [fetch(p, i) for p in paths], d)
-
-            def dense(combined=combined):
-                return cast(combined())
-
-            if mxfp4 and suffix in _MX_PROJ:
-                e, ii, o = _hf_shape(spec, d)
-                cache: dict[str, np.ndarray] = {}
-
-                def quant(part, combined=combined, cache=cache):
-                    if not cache:
-                        w = combined()
-                        cache["blocks"], cache["scales"] = quantize_mxfp4(w)
-                    return cache.pop(part)
-
-                plan.append(
-                    (
-                        name + "_blocks",
-                        "U8",
-                        (e, o, ii // 32, 16),
-                        lambda quant=quant: quant("blocks"),
-                    )
-                )
-                plan.append(
-                    (name + "_scales", "U8", (e, o, ii // 32), lambda quant=quant: quant("scales"))
-                )
-            else:
-                plan.append((name, st, _hf_shape(spec, d), dense))
-    plan.append(
-        ("model.norm.weight", st, _hf_shape("D", d), lambda: cast(fetch("final_norm/scale", None)))
-    )
-    plan.append(
-        ("lm_head.weight", st, _hf_shape("V D", d), lambda: cast(fetch("unembed/kernel", None).T))
-    )
-
-    # Shard greedily in plan order (blocks before scales, so a pair stays adjacent).
+def _shards(plan, max_shard_bytes: float) -> tuple[list[list[int]], int]:
+    """Greedy sharding in plan order (blocks before scales, so a pair stays adjacent):
+    (indices per shard, total bytes)."""
     shards: list[list[int]] = [[]]
-    size = 0
-    total = 0
+    size = total = 0
     for k, (_, sdt, shape, _) in enumerate(plan):
         nb = math.prod(shape) * ST_DTYPES[sdt].itemsize
         total += nb
@@ -630,13 +465,17 @@ def save_hf(
             size = 0
         shards[-1].append(k)
         size += nb
-    nsh = len(shards)
-    fnames = (
-        [SINGLE_FILE]
-        if nsh == 1
-        else [f"model-{s + 1:05d}-of-{nsh:05d}.safetensors" for s in range(nsh)]
-    )
+    return shards, total
 
+
+def _write_folder(out_dir: str, plan, max_shard_bytes: float, hf_cfg: dict, gen_cfg: dict):
+    """Writes the tensors, index and configs into a temporary folder beside out_dir, then
+    renames it into place (nothing half-written is ever at out_dir)."""
+    shards, total = _shards(plan, max_shard_bytes)
+    n = len(shards)
+    fnames = (
+        [SINGLE_FILE] if n == 1 else [f"model-{s + 1:05d}-of-{n:05d}.safetensors" for s in range(n)]
+    )
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
@@ -649,27 +488,14 @@ def save_hf(
                 [plan[k][:3] for k in ks],
                 lambda name, producers=producers: producers[name](),
             )
-            for k in ks:
-                weight_map[plan[k][0]] = fname
-        if nsh > 1:
+            weight_map.update({plan[k][0]: fname for k in ks})
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump(
-                    {"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2
-                )
-        if mxfp4:
-            hf_cfg["quantization_config"] = {
-                "quant_method": "mxfp4",
-                "modules_to_not_convert": [
-                    "model.layers.*.self_attn",
-                    "model.layers.*.mlp.router",
-                    "model.embed_tokens",
-                    "lm_head",
-                ],
-            }
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_cfg, f, indent=2)
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump(generation_config(m), f, indent=2)
+                json.dump(index, f, indent=2)
+        for name, content in (("config.json", hf_cfg), ("generation_config.json", gen_cfg)):
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _check_out_dir(out_dir)
         try:
@@ -679,6 +505,13 @@ def save_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _set(tree: dict, path: str, value: Any) -> None:
+    *head, last = path.split("/")
+    for k in head:
+        tree = tree.setdefault(k, {})
+    tree[last] = value
 
 
 def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
@@ -718,7 +551,7 @@ def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
 def _shard_reader(ckpt: HFCheckpoint, p: str, dtype: Any):
     """Callback for make_array_from_callback: index (a tuple of slices) -> numpy shard.
     Remembers the last read so devices sharing a layer range do not re-read it."""
-    stacked = _split_path(p)[0] is not None
+    stacked = parameters.lookup(p)[1]
     last: dict[Any, np.ndarray] = {}
 
     def read(index):

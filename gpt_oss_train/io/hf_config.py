@@ -3,7 +3,7 @@
 ``hf_config_to_model_dict`` reads what transformers writes for ``GptOssForCausalLM`` (and
 the published ``openai/gpt-oss-*`` configs), and refuses, naming the field, anything the
 model does not implement; ``model_dict_to_hf_config`` writes a config that transformers
-loads. The architecture dict has exactly the keys of ``gpt_oss_train.config.ARCH_FIELDS``,
+loads. The architecture dict has exactly the keys of ``architecture.FIELDS``,
 in that order. Plain dicts only: nothing here reads files or imports jax or torch.
 """
 
@@ -11,21 +11,21 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from gpt_oss_train.config import ARCH_FIELDS
+from gpt_oss_train.io.tokenizer import CALL_ID, ENDOFTEXT_ID, RETURN_ID, STARTOFTEXT_ID
+from gpt_oss_train.model import architecture
+from gpt_oss_train.model.architecture import SWIGLU_ALPHA
 
 __all__ = [
     "hf_config_to_model_dict",
     "model_dict_to_hf_config",
-    "check_model_dict",
     "generation_config",
 ]
 
-# GPT-OSS (o200k_harmony) special tokens.
-BOS_ID = 199998  # <|startoftext|>
-PAD_ID = 199999  # <|endoftext|>
-EOS_ID = 200002  # <|return|>
-GENERATION_EOS_IDS = (200002, 199999, 200012)  # <|return|>, <|endoftext|>, <|call|>
-SWIGLU_ALPHA = 1.702  # hard-wired in the model
+# The special tokens HF's configs name (o200k_harmony ids).
+BOS_ID = STARTOFTEXT_ID
+PAD_ID = ENDOFTEXT_ID
+EOS_ID = RETURN_ID
+GENERATION_EOS_IDS = (RETURN_ID, ENDOFTEXT_ID, CALL_ID)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -173,16 +173,7 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
                 f"HF config: quantization_config.quant_method={qm!r} is not supported "
                 "(only 'mxfp4')"
             )
-    return {k: m[k] for k in ARCH_FIELDS}
-
-
-def check_model_dict(m: Mapping[str, Any]) -> None:
-    """ValueError unless `m` has every architecture field and an even number of layers."""
-    missing = [k for k in ARCH_FIELDS if k not in m]
-    if missing:
-        raise ValueError(f"model config is missing fields {missing}")
-    if m["num_layers"] < 2 or m["num_layers"] % 2:
-        raise ValueError(f"model config: num_layers must be even and >= 2, got {m['num_layers']}")
+    return architecture.validate(m, "HF config")
 
 
 def model_dict_to_hf_config(m: Mapping[str, Any], *, dtype: str = "bfloat16") -> dict[str, Any]:
@@ -191,7 +182,7 @@ def model_dict_to_hf_config(m: Mapping[str, Any], *, dtype: str = "bfloat16") ->
     The special-token ids (bos 199998, eos 200002, pad 199999) are written when they fall
     inside the vocabulary, and null otherwise (transformers refuses a pad id outside it).
     """
-    check_model_dict(m)
+    m = architecture.validate(m)
     nl = int(m["num_layers"])
     v = int(m["vocab_size"])
 

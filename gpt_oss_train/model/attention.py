@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train import sharding
+from gpt_oss_train.errors import ConfigError
 
 _NEG = -1e30  # finite "minus infinity": keeps max/exp/grad free of inf - inf
 
@@ -175,6 +176,34 @@ def _splash_local(q, k, v, q_seg, sinks, window):
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
+def _xla(q, k, v, sinks, *, q_pos, k_pos, q_seg, k_seg, window, block):
+    return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
+
+
+def _blockwise(q, k, v, sinks, *, q_pos, k_pos, q_seg, k_seg, window, block):
+    return blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block)
+
+
+def _splash(q, k, v, sinks, *, q_pos, k_pos, q_seg, k_seg, window, block):
+    if sharding.platform() != "tpu":
+        raise ConfigError("config.attention_impl='splash' needs a TPU; use 'blockwise' or 'xla'")
+    return splash_attention(q, k, v, sinks, q_seg, window)
+
+
+def _flash(q, k, v, sinks, *, q_pos, k_pos, q_seg, k_seg, window, block):
+    # Imported here: the Pallas GPU modules load only for a config that asks for them.
+    from gpt_oss_train.model import flash_attention as flash
+
+    if sharding.platform() != "gpu" and not flash.interpreting():
+        raise ConfigError("config.attention_impl='flash' needs a GPU; use 'blockwise' or 'xla'")
+    return flash.flash_attention_on_mesh(q, k, v, sinks, q_pos, q_seg, window)
+
+
+# The back-ends by `config.attention_impl`. Each takes q/k/v, the sinks, positions and
+# segment ids of queries and keys, the band (None: full causal) and the query block.
+IMPLS = {"xla": _xla, "blockwise": _blockwise, "splash": _splash, "flash": _flash}
+
+
 def attention(
     q,
     k,
@@ -190,22 +219,12 @@ def attention(
     block: int = 512,
     self_attention: bool = False,
 ):
-    """Dispatch to a back-end. `self_attention`: q and k are the same full sequence
-    (training or a prefill with no earlier cache), which the block-sparse back-ends need."""
-    if impl == "xla" or not self_attention:
-        return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
-    if q_seg is None:
+    """Runs back-end `impl`. `self_attention`: q and k are the same full sequence
+    (training, or a prefill with no earlier cache); the block-sparse back-ends need that,
+    so attention over a cache always takes the XLA reference."""
+    if not self_attention:
+        impl = "xla"
+    elif q_seg is None:
         q_seg = k_seg = (q_pos >= 0).astype(jnp.int32)
-    if impl == "blockwise":
-        return blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block)
-    if impl == "splash":
-        if sharding.platform() != "tpu":
-            raise ValueError("config.attention_impl='splash' needs a TPU; use 'blockwise' or 'xla'")
-        return splash_attention(q, k, v, sinks, q_seg, window)
-    if impl == "flash":
-        from gpt_oss_train.model import flash_attention as flash
-
-        if sharding.platform() != "gpu" and not flash.interpreting():
-            raise ValueError("config.attention_impl='flash' needs a GPU; use 'blockwise' or 'xla'")
-        return flash.flash_attention_on_mesh(q, k, v, sinks, q_pos, q_seg, window)
-    raise ValueError(f"unknown attention_impl {impl!r}")
+    where = dict(q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
+    return IMPLS[impl](q, k, v, sinks, **where, window=window, block=block)

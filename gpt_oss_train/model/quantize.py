@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gpt_oss_train.model import parameters
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -53,37 +55,18 @@ def quantize_int8(w: jax.Array, contraction_axes: tuple[int, ...]) -> QArray:
     return QArray(q, scale)
 
 
-# Which parameters are quantized, and over which axes each one contracts (in the stacked
-# [num_blocks, ...] layout). Embedding (a gather), norms, biases, sinks and the router
-# (whose top-k must match the float model's) stay as they are.
-CONTRACTION_AXES = {
-    "q_kernel": (1,),
-    "k_kernel": (1,),
-    "v_kernel": (1,),
-    "o_kernel": (1, 2),
-    "wi_gate": (2,),
-    "wi_up": (2,),
-    "wo": (2,),
-}
-
-
 def quantize_params(params: dict) -> dict:
-    """The parameter tree with matmul weights replaced by QArrays (jit-able)."""
+    """The parameter tree with matmul weights replaced by QArrays (jit-able): those
+    model/parameters.py declares contraction axes for. Embedding (a gather), norms,
+    biases, sinks and the router keep their dtype."""
 
-    def walk(tree, path):
-        out = {}
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                out[k] = walk(v, path + (k,))
-            elif path[:1] == ("blocks",) and k in CONTRACTION_AXES:
-                out[k] = quantize_int8(v, CONTRACTION_AXES[k])
-            elif path == ("unembed",) and k == "kernel":
-                out[k] = quantize_int8(v, (0,))
-            else:
-                out[k] = v
-        return out
+    def one(key_path, w):
+        decl, stacked = parameters.lookup(parameters.path_of(key_path))
+        if not decl.contract:
+            return w
+        return quantize_int8(w, tuple(a + int(stacked) for a in decl.contract))
 
-    return walk(params, ())
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def quantize_kv(x):

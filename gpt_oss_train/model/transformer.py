@@ -15,7 +15,6 @@ constrained by logical names through `sharding.constrain`; no mesh axis is named
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,29 +25,34 @@ from flax import nnx
 from gpt_oss_train import sharding
 from gpt_oss_train.config import ModelConfig
 from gpt_oss_train.model import attention as attn_lib
-from gpt_oss_train.model import embedding, quantize
+from gpt_oss_train.model import embedding, kv_cache, parameters, remat
 from gpt_oss_train.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _param(rngs: nnx.Rngs | None, init, shape, names, dtype) -> nnx.Param:
-    value = init(rngs.params() if rngs is not None else None, shape, dtype)
-    # eager_sharding=False: the logical names are mapped to the mesh by our own rules when
-    # the parameters are created under jit (see `ModelDef.init`), not by NNX.
-    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+def _init(kind: str, std: float):
+    if kind == "normal":
+        return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
+    return lambda key, shape, dtype: (jnp.zeros if kind == "zeros" else jnp.ones)(shape, dtype)
 
 
-def _normal(std):
-    return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
-
-
-def _zeros(key, shape, dtype):
-    return jnp.zeros(shape, dtype)
-
-
-def _ones(key, shape, dtype):
-    return jnp.ones(shape, dtype)
+def declared_params(cfg: ModelConfig, prefix: str, rngs: nnx.Rngs | None) -> dict[str, nnx.Param]:
+    """The parameters params.py declares for one module ("attn", "moe", "final_norm", ...),
+    created with their initializers and tagged with their logical axes."""
+    sizes = parameters.dim_sizes(cfg)
+    out = {}
+    for leaf, p in parameters.group(prefix).items():
+        init = _init(p.init, cfg.initializer_range)
+        value = init(
+            rngs.params() if rngs is not None else None,
+            parameters.shape(p.dims, sizes),
+            DTYPES[cfg.param_dtype],
+        )
+        # eager_sharding=False: the logical names are mapped to the mesh by our own rules
+        # when the parameters are created under jit (see `ModelDef.init`), not by NNX.
+        out[leaf] = nnx.Param(value, out_sharding=p.axes, eager_sharding=False)
+    return out
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -102,9 +106,9 @@ def apply_rope(x_bsnh, cos, sin):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, name: str, *, rngs: nnx.Rngs):
         self.eps = cfg.rms_norm_eps
-        self.scale = _param(rngs, _ones, (cfg.hidden_size,), (None,), DTYPES[cfg.param_dtype])
+        self.scale = declared_params(cfg, name, rngs)["scale"]
 
     def __call__(self, x, dtype):
         x = x.astype(jnp.float32)
@@ -112,58 +116,13 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(dtype)
 
 
-class KVCache(NamedTuple):
-    """One layer's cache. Slot i holds the key/value of position pos[b, i] (-1: empty).
-    A token at position p lives in slot p % slots: full layers have a slot per position,
-    banded layers a ring of at least `window` slots. With an int8 cache, k/v are int8 and
-    k_scale/v_scale hold one float32 scale per (slot, head)."""
-
-    k: jax.Array  # [b, slots, kv_heads, head_dim]
-    v: jax.Array  # [b, slots, kv_heads, head_dim]
-    pos: jax.Array  # [b, slots] int32
-    k_scale: jax.Array | None = None  # [b, slots, kv_heads, 1]
-    v_scale: jax.Array | None = None
-
-    def keys_values(self, dtype):
-        if self.k_scale is None:
-            return self.k, self.v
-        return (
-            quantize.dequantize_kv(self.k, self.k_scale, dtype),
-            quantize.dequantize_kv(self.v, self.v_scale, dtype),
-        )
-
-
-def _write_cache(cache: KVCache, k, v, positions) -> KVCache:
-    """Scatter new keys/values to slot = position % slots; positions < 0 are not written."""
-    slots = cache.pos.shape[1]
-    slot = jnp.where(positions >= 0, positions % slots, slots)  # out of range -> dropped
-    bidx = jnp.arange(k.shape[0])[:, None]
-    put = lambda buf, x: buf.at[bidx, slot].set(x.astype(buf.dtype), mode="drop")
-    pos = cache.pos.at[bidx, slot].set(positions.astype(jnp.int32), mode="drop")
-    if cache.k_scale is None:
-        return KVCache(put(cache.k, k), put(cache.v, v), pos)
-    (kq, ks), (vq, vs) = quantize.quantize_kv(k), quantize.quantize_kv(v)
-    return KVCache(
-        put(cache.k, kq), put(cache.v, vq), pos, put(cache.k_scale, ks), put(cache.v_scale, vs)
-    )
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, n, kv, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        pd, init = DTYPES[cfg.param_dtype], _normal(cfg.initializer_range)
         self.cfg = cfg
-        self.q_kernel = _param(rngs, init, (d, n, h), ("embed", "heads", "head_dim"), pd)
-        self.q_bias = _param(rngs, _zeros, (n, h), ("heads", "head_dim"), pd)
-        self.k_kernel = _param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
-        self.k_bias = _param(rngs, _zeros, (kv, h), ("kv_heads", "head_dim"), pd)
-        self.v_kernel = _param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
-        self.v_bias = _param(rngs, _zeros, (kv, h), ("kv_heads", "head_dim"), pd)
-        self.o_kernel = _param(rngs, init, (n, h, d), ("heads", "head_dim", "embed"), pd)
-        self.o_bias = _param(rngs, _zeros, (d,), ("embed",), pd)
-        self.sinks = _param(rngs, init, (n,), ("heads",), pd)
+        for name, param in declared_params(cfg, "attn", rngs).items():
+            setattr(self, name, param)
 
-    def __call__(self, x_bsd, rope, positions, segment_ids, window, cache: KVCache | None):
+    def __call__(self, x_bsd, rope, positions, segment_ids, window, cache: kv_cache.KVCache | None):
         cfg = self.cfg
         dt = DTYPES[cfg.dtype]
 
@@ -198,7 +157,7 @@ class Attention(nnx.Module):
             new_cache = None
         elif window is None:
             # Full layer: write first, then attend over every cached slot.
-            new_cache = _write_cache(cache, k, v, positions)
+            new_cache = kv_cache.write(cache, k, v, positions)
             keys, vals = new_cache.keys_values(dt)
             out = attn_lib.attention(
                 q, keys, vals, sinks, q_pos=positions, k_pos=new_cache.pos, **common
@@ -212,7 +171,7 @@ class Attention(nnx.Module):
             vals = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
             kpos = jnp.concatenate([cache.pos, positions.astype(jnp.int32)], axis=1)
             out = attn_lib.attention(q, keys, vals, sinks, q_pos=positions, k_pos=kpos, **common)
-            new_cache = _write_cache(cache, k, v, positions)
+            new_cache = kv_cache.write(cache, k, v, positions)
 
         y = jnp.einsum(
             "bsnh,nhd->bsd",
@@ -226,17 +185,9 @@ class Attention(nnx.Module):
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
-        pd, init = DTYPES[cfg.param_dtype], _normal(cfg.initializer_range)
         self.cfg = cfg
-        self.router_kernel = _param(rngs, init, (d, e), ("embed", None), pd)
-        self.router_bias = _param(rngs, init, (e,), (None,), pd)
-        self.wi_gate = _param(rngs, init, (e, d, f), ("exp", "embed", "mlp"), pd)
-        self.bi_gate = _param(rngs, _zeros, (e, f), ("exp", "mlp"), pd)
-        self.wi_up = _param(rngs, init, (e, d, f), ("exp", "embed", "mlp"), pd)
-        self.bi_up = _param(rngs, _zeros, (e, f), ("exp", "mlp"), pd)
-        self.wo = _param(rngs, init, (e, f, d), ("exp", "mlp", "embed"), pd)
-        self.bo = _param(rngs, _zeros, (e, d), ("exp", "embed"), pd)
+        for name, param in declared_params(cfg, "moe", rngs).items():
+            setattr(self, name, param)
 
     def __call__(self, x_bsd, valid_bs):
         cfg = self.cfg
@@ -268,9 +219,9 @@ class MoE(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg, rngs=rngs)
+        self.attn_norm = RMSNorm(cfg, "attn_norm", rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg, "mlp_norm", rngs=rngs)
         self.moe = MoE(cfg, rngs=rngs)
         self.dtype = DTYPES[cfg.dtype]
 
@@ -302,26 +253,10 @@ class Block(nnx.Module):
         return x, aux1 + aux2, new_cache
 
 
-REMAT_POLICIES = {
-    "full": None,  # save nothing inside a block: recompute it in the backward pass
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
-    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
-
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        pd = DTYPES[cfg.param_dtype]
         self.cfg = cfg
-        self.embed = nnx.Dict(
-            embedding=_param(
-                rngs,
-                _normal(cfg.initializer_range),
-                (cfg.vocab_size, cfg.hidden_size),
-                ("vocab", "embed"),
-                pd,
-            )
-        )
+        self.embed = nnx.Dict(declared_params(cfg, "embed", rngs))
 
         @nnx.split_rngs(splits=cfg.num_blocks)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -329,22 +264,14 @@ class Transformer(nnx.Module):
             return Block(cfg, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(cfg, rngs=rngs)
-        self.unembed = nnx.Dict(
-            kernel=_param(
-                rngs,
-                _normal(cfg.initializer_range),
-                (cfg.hidden_size, cfg.vocab_size),
-                ("embed", "vocab"),
-                pd,
-            )
-        )
+        self.final_norm = RMSNorm(cfg, "final_norm", rngs=rngs)
+        self.unembed = nnx.Dict(declared_params(cfg, "unembed", rngs))
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
         """tokens [b, s] int -> (hidden [b, s, d] after the final norm, MoE aux loss (mean
         over layers), new cache or None). Positions default to 0..s-1; segment_ids (0 =
         padding) default to all ones. `cache`: per-block KV caches stacked on a leading
-        axis, {"sliding": KVCache, "full": KVCache}, as made by `generate.init_cache`."""
+        axis, {"sliding": KVCache, "full": KVCache}, as made by `kv_cache.init`."""
         cfg = self.cfg
         dt = DTYPES[cfg.dtype]
         b, s = tokens.shape
@@ -366,10 +293,7 @@ class Transformer(nnx.Module):
             x, aux, new_cache = block(x, rope, positions, segment_ids, valid, layer_cache)
             return x, (aux, new_cache)
 
-        if cfg.remat_policy != "none":
-            body = jax.checkpoint(
-                body, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=not cfg.scan_layers
-            )
+        body = remat.wrap(body, cfg.remat_policy, scanned=cfg.scan_layers)
         if cfg.scan_layers:
             x, (aux, new_cache) = jax.lax.scan(body, x, (block_params, cache))
         else:

@@ -2,7 +2,7 @@
 
 A checkpoint is a step folder `<dir>/<step>/` holding named items:
 
-  model_config   JSON: the architecture (config.ARCH_FIELDS), so decode and fine-tuning
+  model_config   JSON: the architecture (architecture.FIELDS), so decode and fine-tuning
                  rebuild the exact network with no flags
   params         the parameter tree (sharded arrays; restored straight into shardings)
   opt_state      optimizer state                       (training checkpoints only)
@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from gpt_oss_train import config as config_lib
+from gpt_oss_train.model import architecture
 
 MODEL_CONFIG = "model_config"
 PARAMS = "params"
@@ -90,14 +90,14 @@ def read_model_config(path: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             continue
         if isinstance(data, dict) and "hidden_size" in data:
-            return config_lib.arch_from_json(json.dumps(data), item_dir)
+            return architecture.from_json(json.dumps(data), item_dir)
     raise CheckpointError(f"{item_dir}: model config JSON not found or unreadable")
 
 
 def check_same_architecture(stored: dict, wanted: dict, where: str):
     diffs = [
         f"{k}: checkpoint {stored.get(k)!r} vs config {wanted.get(k)!r}"
-        for k in config_lib.ARCH_FIELDS
+        for k in architecture.FIELDS
         if stored.get(k) != wanted.get(k)
     ]
     if diffs:

@@ -34,7 +34,7 @@ import numpy as np
 from gpt_oss_train.io.tokenizer import PAD_ID
 
 # DataError is raised here too; callers catch it as data.DataError.
-from gpt_oss_train.training.sources import Chat, DataError, make_source, replaced_bytes
+from gpt_oss_train.training.sources import Chat, DataError, make_source
 
 EXAMPLE_KEYS = ("inputs", "targets", "loss_mask")
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -141,50 +141,20 @@ def _stack_rows(rows: list[dict[str, np.ndarray]], *, num_rows: int, pad_id: int
 # Pipeline
 # --------------------------------------------------------------------------------------
 class Pipeline:
-    """A running input pipeline. `next(p)` / `p.next()` give this process's batch.
+    """A running input pipeline: `next(p)` gives this process's batch. `iterator` is the
+    grain DatasetIterator; checkpoints save and restore it through Orbax
+    (`grain.checkpoint.CheckpointSave(p.iterator)` / `CheckpointRestore(p.iterator)`),
+    and `iterator.get_state()` is the same state as a JSON-able dict."""
 
-    `iterator` is the grain DatasetIterator: checkpoint it with Orbax through
-    `grain.checkpoint.CheckpointSave(p.iterator)` / `CheckpointRestore(p.iterator)`;
-    `get_state()` / `set_state()` are the same state as plain JSON-able dicts.
-    """
-
-    def __init__(self, dataset: grain.IterDataset, source, *, rows: int, seq_len: int):
-        self.dataset, self.source, self.rows, self.seq_len = dataset, source, rows, seq_len
+    def __init__(self, dataset: grain.IterDataset, source):
+        self.dataset, self.source = dataset, source
         self.iterator = iter(dataset)
-        self._batches = self._tokens = self._loss_tokens = 0
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = next(self.iterator)
-        self._batches += 1
-        self._tokens += int(np.count_nonzero(batch["segment_ids"]))
-        self._loss_tokens += int(batch["loss_mask"].sum())
-        return batch
-
-    def next(self) -> dict[str, np.ndarray]:
-        return self.__next__()
-
-    def get_state(self) -> dict[str, Any]:
-        return self.iterator.get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.iterator.set_state(state)
-
-    def stats(self) -> dict[str, Any]:
-        """Counts since this Pipeline was built. Replaced bytes are those this process read
-        (with num_workers > 0 the workers read, and log their warnings themselves)."""
-        per_file = replaced_bytes(self.source)
-        slots = self._batches * self.rows * self.seq_len
-        return {
-            "batches": self._batches,
-            "tokens": self._tokens,
-            "loss_tokens": self._loss_tokens,
-            "padding_fraction": 1 - self._tokens / slots if slots else 0.0,
-            "replaced_bytes": sum(per_file.values()),
-            "files_with_replaced_bytes": per_file,
-        }
+        return next(self.iterator)
 
     def close(self) -> None:
         self.iterator.close()
@@ -252,7 +222,7 @@ def make_pipeline(
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app
             flags.FLAGS.mark_as_parsed()  # (tests, notebooks) their defaults are the right ones
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return Pipeline(ds, source, rows=rows, seq_len=seq_len)
+    return Pipeline(ds, source)
 
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh, rules) -> dict[str, Any]:

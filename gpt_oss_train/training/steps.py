@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gpt_oss_train.model import parameters
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
 from gpt_oss_train.training import loss as loss_lib
 
 
-def _decays(path, _) -> bool:
-    """Weight decay on matrices only: not on norms, biases or attention sinks."""
-    name = path[-1].key
-    return not (name in ("scale", "sinks", "bo") or name.endswith("bias") or name.startswith("bi_"))
+def _decays(key_path, _) -> bool:
+    """Weight decay where model/parameters.py declares it (matrices, not norms, biases or
+    attention sinks)."""
+    return parameters.lookup(parameters.path_of(key_path))[0].decay
 
 
 def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:

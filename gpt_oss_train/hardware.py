@@ -1,0 +1,72 @@
+"""Accelerator datasheet figures, one row per chip: dense bf16 peak FLOP/s (for MFU),
+HBM per device (for ahead-of-time memory checks) and HBM bandwidth (for the decode
+bandwidth share). Looked up by `jax.Device.device_kind`; unknown chips (CPUs included)
+give None, so no figure is ever made up.
+
+Sources: cloud.google.com/tpu/docs (v4, v5e, v5p, v6e system-architecture pages) and
+NVIDIA's datasheets (sparsity figures halved to dense).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    peak_flops: float  # dense bf16 FLOP/s per device
+    hbm_bytes: float | None  # memory per JAX device (None: not one device per chip)
+    hbm_bandwidth: float | None  # bytes/s per device
+
+
+# Matched as case-insensitive substrings of device_kind, first match wins: the more
+# specific names come first (v5e reports "TPU v5 lite", v5p plain "TPU v5").
+CHIPS: dict[str, Chip] = {
+    "TPU v6 lite": Chip(918e12, 32 * GiB, 1.64e12),
+    "TPU v6e": Chip(918e12, 32 * GiB, 1.64e12),
+    "TPU v5 lite": Chip(197e12, 16 * GiB, 0.819e12),
+    "TPU v5e": Chip(197e12, 16 * GiB, 0.819e12),
+    "TPU v5p": Chip(459e12, 95 * GiB, 2.765e12),
+    "TPU v5": Chip(459e12, 95 * GiB, 2.765e12),
+    # libtpu describes v4 as two devices per chip: the chip's HBM is not a device's.
+    "TPU v4": Chip(275e12, None, 1.2e12),
+    "B200": Chip(2250e12, 180 * GiB, 8.0e12),
+    "H200": Chip(989e12, 141e9, 4.8e12),
+    # H100 SXM; the PCIe card is 756 TFLOP/s dense (pass an override for it).
+    "H100": Chip(989e12, 80 * GiB, 3.35e12),
+    "A100": Chip(312e12, 80 * GiB, 2.039e12),
+}
+
+
+def chip(device_kind: str) -> Chip | None:
+    kind = (device_kind or "").lower()
+    for name, c in CHIPS.items():
+        if name.lower() in kind:
+            return c
+    return None
+
+
+def peak_flops(device_kind: str, override: float | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s of a device; `override` (> 0) wins."""
+    if override is not None:
+        if override <= 0:
+            raise ValueError(f"peak FLOP/s override must be positive, got {override}")
+        return float(override)
+    c = chip(device_kind)
+    return None if c is None else c.peak_flops
+
+
+def hbm_bytes(device_kind: str, override_gib: float = 0.0) -> float | None:
+    if override_gib > 0:
+        return override_gib * GiB
+    c = chip(device_kind)
+    return None if c is None else c.hbm_bytes
+
+
+def hbm_bandwidth(device_kind: str, override: float = 0.0) -> float | None:
+    if override > 0:
+        return override
+    c = chip(device_kind)
+    return None if c is None else c.hbm_bandwidth

@@ -1,0 +1,26 @@
+"""Rematerialisation policies for a layer block, keyed by `config.remat_policy`: what the
+backward pass may keep from the forward pass instead of recomputing it."""
+
+from __future__ import annotations
+
+import jax
+
+_policies = jax.checkpoint_policies
+
+
+def _checkpointed(policy):
+    # prevent_cse only matters outside a scan (a scan body is never CSE'd across steps).
+    return lambda body, scanned: jax.checkpoint(body, policy=policy, prevent_cse=not scanned)
+
+
+POLICIES = {
+    "none": lambda body, scanned: body,  # keep every activation
+    "full": _checkpointed(None),  # keep nothing inside a block: recompute it
+    "save_dots": _checkpointed(_policies.checkpoint_dots),
+    "save_dots_no_batch": _checkpointed(_policies.checkpoint_dots_with_no_batch_dims),
+}
+
+
+def wrap(body, policy: str, *, scanned: bool):
+    """`body` (one block's forward function) under the named policy."""
+    return POLICIES[policy](body, scanned)

@@ -506,6 +506,7 @@ def save_hf(
     max_shard_bytes: float = 5e9,
     *,
     mxfp4: bool = False,
+    with_tokenizer: bool = True,
 ) -> None:
     """Write a Hugging Face GPT-OSS checkpoint folder.
 
@@ -516,7 +517,9 @@ def save_hf(
     max_shard_bytes unless a single tensor is larger) plus model.safetensors.index.json;
     then config.json and generation_config.json. dtype: "bfloat16" or "float32".
     mxfp4=True stores the expert matrices as MXFP4 blocks/scales (as the published
-    checkpoints do) and adds quantization_config to config.json.
+    checkpoints do) and adds quantization_config to config.json. with_tokenizer: a model
+    with the o200k_harmony vocabulary also gets its tokenizer files and chat template
+    (:mod:`gpt_oss_train.io.hf_tokenizer`), so servers built on transformers load it alone.
 
     The folder is written under a temporary name next to out_dir and renamed at the end;
     an existing non-empty out_dir raises FileExistsError and is left untouched.
@@ -670,6 +673,11 @@ def save_hf(
             json.dump(hf_cfg, f, indent=2)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(generation_config(m), f, indent=2)
+        if with_tokenizer:
+            from gpt_oss_train.io import hf_tokenizer  # imports openai-harmony: only here
+
+            if int(m["vocab_size"]) >= hf_tokenizer.VOCAB_SIZE:  # ids fit the embedding
+                hf_tokenizer.save_tokenizer(tmp, m["max_position_embeddings"])
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _check_out_dir(out_dir)
         try:

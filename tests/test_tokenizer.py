@@ -23,6 +23,7 @@ from openai_harmony import (
     Role,
     SystemContent,
     TextContent,
+    ToolDescription,
 )
 
 from gpt_oss_train.io import tokenizer as tk
@@ -440,6 +441,88 @@ def test_training_prefix_matches_inference_prompt(tok):
     prompt = tok.render_chat(chat[:1])
     first_trained = mask.index(1)
     assert ids[:first_trained] == prompt
+
+
+# ----------------------------------------------------------------------------------------
+# Function tools
+# ----------------------------------------------------------------------------------------
+LOOKUP_PARAMS = {
+    "type": "object",
+    "properties": {"q": {"type": "string", "description": "query"}},
+    "required": ["q"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "lookup", "description": "Find.", "parameters": LOOKUP_PARAMS},
+    },
+    {"name": "now", "description": "Time."},  # a bare function dict works too
+]
+
+
+def _harmony_tool_descriptions():
+    return [
+        ToolDescription.new("lookup", "Find.", LOOKUP_PARAMS),
+        ToolDescription.new("now", "Time."),
+    ]
+
+
+@pytest.mark.parametrize("with_developer", [False, True])
+def test_render_chat_tools_equal_harmony_developer_tools(tok, with_developer):
+    M = Message.from_role_and_content
+    developer = DeveloperContent.new()
+    if with_developer:
+        developer = developer.with_instructions("Be brief.")
+    expected = tok.encoding.render_conversation_for_completion(
+        Conversation.from_messages(
+            [
+                M(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort.LOW)),
+                M(Role.DEVELOPER, developer.with_function_tools(_harmony_tool_descriptions())),
+                M(Role.USER, "Hi"),
+            ]
+        ),
+        Role.ASSISTANT,
+    )
+    msgs = [{"role": "developer", "content": "Be brief."}] if with_developer else []
+    msgs.append({"role": "user", "content": "Hi"})
+    ids = tok.render_chat(msgs, reasoning_effort="low", tools=TOOLS)
+    assert ids == expected
+    text = tok.decode(ids)
+    assert "Calls to these tools must go to the commentary channel: 'functions'." in text
+    assert "type lookup = (_: {\n// query\nq: string,\n}) => any;" in text
+    # No tools (None or []) renders as before.
+    assert tok.render_chat(msgs, tools=[]) == tok.render_chat(msgs)
+
+
+def test_render_chat_for_training_takes_tools(tok):
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    ids, mask = tok.render_chat_for_training(chat, tools=TOOLS)
+    M = Message.from_role_and_content
+    harmony = tok.encoding.render_conversation_for_training(
+        Conversation.from_messages(
+            [
+                M(Role.SYSTEM, SystemContent.new()),
+                M(
+                    Role.DEVELOPER,
+                    DeveloperContent.new().with_function_tools(_harmony_tool_descriptions()),
+                ),
+                M(Role.USER, "Hi"),
+                M(Role.ASSISTANT, "Hello!").with_channel("final"),
+            ]
+        )
+    )
+    assert ids == harmony
+    assert ids[: mask.index(1)] == tok.render_chat(chat[:1], tools=TOOLS)
+
+
+def test_invalid_tools_raise(tok):
+    user = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="tools must be a list"):
+        tok.render_chat(user, tools={"name": "f"})
+    with pytest.raises(ValueError, match="tool 1 has no function name"):
+        tok.render_chat(user, tools=[{"name": "f"}, {"type": "function", "function": {}}])
+    with pytest.raises(ValueError, match=r"tool 0 \(f\): 'description' must be a str"):
+        tok.render_chat(user, tools=[{"name": "f", "parameters": "{}"}])
 
 
 # ----------------------------------------------------------------------------------------

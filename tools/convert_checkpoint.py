@@ -6,6 +6,10 @@
   # Orbax (converted, or a training workdir) -> HF safetensors that transformers loads
   python tools/convert_checkpoint.py --orbax_dir=/tmp/run --hf_out=/tmp/run-hf [--dtype=float32]
 
+The HF folder of a model with the o200k_harmony vocabulary also holds tokenizer.json and
+tokenizer_config.json (with the Harmony chat template), so `AutoTokenizer` and the servers
+built on transformers load the folder alone, offline.
+
 Parameters are placed on all local devices (FSDP over them), read from safetensors one
 tensor or one range of layers at a time, and written back one tensor at a time, so the
 host never holds more than one tensor beside the sharded model. Neither direction writes
@@ -111,9 +115,11 @@ def main(argv):
         if not _HF_OUT.value:
             raise app.UsageError("--orbax_dir needs --hf_out (the HF folder to write)")
         arch = orbax_to_hf(_ORBAX_DIR.value, _HF_OUT.value, _DTYPE.value, _MXFP4.value)
+        has_tokenizer = os.path.exists(os.path.join(_HF_OUT.value, "tokenizer.json"))
         print(
             f"wrote Hugging Face checkpoint {_HF_OUT.value} ({_DTYPE.value}"
-            f"{', MXFP4 experts' if _MXFP4.value else ''})"
+            f"{', MXFP4 experts' if _MXFP4.value else ''}, "
+            f"{'with' if has_tokenizer else 'no'} tokenizer: vocabulary {arch['vocab_size']})"
         )
 
 

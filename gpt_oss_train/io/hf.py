@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
+from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.io.hf_config import (
     generation_config,
     hf_config_to_model_dict,
@@ -347,6 +348,7 @@ def save_hf(
     max_shard_bytes: float = 5e9,
     *,
     mxfp4: bool = False,
+    with_tokenizer: bool = True,
 ) -> None:
     """Write a Hugging Face GPT-OSS checkpoint folder.
 
@@ -357,7 +359,9 @@ def save_hf(
     max_shard_bytes unless a single tensor is larger) plus model.safetensors.index.json;
     then config.json and generation_config.json. dtype: "bfloat16" or "float32".
     mxfp4=True stores the expert matrices as MXFP4 blocks/scales (as the published
-    checkpoints do) and adds quantization_config to config.json.
+    checkpoints do) and adds quantization_config to config.json. with_tokenizer: a model
+    with the o200k_harmony vocabulary also gets its tokenizer files and chat template
+    (:mod:`gpt_oss_train.io.hf_tokenizer`), so servers built on transformers load it alone.
 
     The folder is written under a temporary name next to out_dir and renamed at the end;
     an existing non-empty out_dir raises FileExistsError and is left untouched.
@@ -386,7 +390,12 @@ def save_hf(
                 "lm_head",
             ],
         }
-    _write_folder(out_dir, plan, max_shard_bytes, hf_cfg, generation_config(m))
+    tokenizer = None
+    if with_tokenizer and int(m["vocab_size"]) >= tok_lib.VOCAB_SIZE:  # ids fit the embedding
+        from gpt_oss_train.io import hf_tokenizer  # builds the BPE tables: only here
+
+        tokenizer = lambda folder: hf_tokenizer.save_tokenizer(folder, m["max_position_embeddings"])
+    _write_folder(out_dir, plan, max_shard_bytes, hf_cfg, generation_config(m), tokenizer)
 
 
 def _param_fetcher(m: Mapping[str, Any], get_param) -> Callable[[str, int | None], np.ndarray]:
@@ -468,9 +477,10 @@ def _shards(plan, max_shard_bytes: float) -> tuple[list[list[int]], int]:
     return shards, total
 
 
-def _write_folder(out_dir: str, plan, max_shard_bytes: float, hf_cfg: dict, gen_cfg: dict):
-    """Writes the tensors, index and configs into a temporary folder beside out_dir, then
-    renames it into place (nothing half-written is ever at out_dir)."""
+def _write_folder(out_dir: str, plan, max_shard_bytes, hf_cfg: dict, gen_cfg: dict, tokenizer):
+    """Writes the tensors, index, configs and (tokenizer(folder), if given) the tokenizer
+    into a temporary folder beside out_dir, then renames it into place (nothing
+    half-written is ever at out_dir)."""
     shards, total = _shards(plan, max_shard_bytes)
     n = len(shards)
     fnames = (
@@ -496,6 +506,8 @@ def _write_folder(out_dir: str, plan, max_shard_bytes: float, hf_cfg: dict, gen_
         for name, content in (("config.json", hf_cfg), ("generation_config.json", gen_cfg)):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(content, f, indent=2)
+        if tokenizer is not None:
+            tokenizer(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _check_out_dir(out_dir)
         try:

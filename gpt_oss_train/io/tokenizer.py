@@ -8,7 +8,7 @@ TIKTOKEN_ENCODINGS_BASE (harmony then loads that file and checks its SHA-256 its
 
 `Tokenizer` is the one object the rest of the project uses:
   * plain text <-> ids for pre-training (documents separated by `eos_id`);
-  * chat dicts -> prompt ids for generation (`render_chat`);
+  * chat dicts (+ function tools) -> prompt ids for generation (`render_chat`);
   * chat dicts -> ids + loss mask for fine-tuning (`render_chat_for_training`);
   * generated ids -> messages (`parse_completion`, `stream_parser`).
 
@@ -40,10 +40,12 @@ from openai_harmony import (
     Message,
     ReasoningEffort,
     RenderConversationConfig,
+    RenderOptions,
     Role,
     StreamableParser,
     SystemContent,
     TextContent,
+    ToolDescription,
     load_harmony_encoding,
 )
 
@@ -284,6 +286,52 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
     return out
 
 
+def _tool_descriptions(tools: Sequence[Mapping[str, Any]]) -> list[ToolDescription]:
+    """OpenAI function tools ({"type": "function", "function": {...}} or the bare function
+    dict: "name", optional "description" and JSON-schema "parameters") -> harmony's."""
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ValueError(
+            "tools must be a list of dicts like {'type': 'function', 'function': ...}."
+        )
+    out = []
+    for i, tool in enumerate(tools):
+        f = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"tool {i} has no function name; give {{'name': 'get_weather', ...}}.")
+        description, parameters = f.get("description") or "", f.get("parameters")
+        if not isinstance(description, str) or not isinstance(parameters, (Mapping, type(None))):
+            raise ValueError(
+                f"tool {i} ({f['name']}): 'description' must be a str and 'parameters' a dict."
+            )
+        out.append(ToolDescription.new(f["name"], description, parameters))
+    return out
+
+
+def _with_function_tools(messages: list[Message], tools: Sequence[Mapping[str, Any]]) -> None:
+    """Put the tools into the first developer message's "functions" namespace, or into a
+    developer message of their own right after the system message (harmony's layout)."""
+    descriptions = _tool_descriptions(tools)
+    if not descriptions:
+        return
+    for m in messages:
+        if m.author.role == Role.DEVELOPER:
+            m.content[0].with_function_tools(descriptions)  # DeveloperContent, from _to_harmony
+            return
+    content = DeveloperContent.new().with_function_tools(descriptions)
+    messages.insert(1, Message.from_role_and_content(Role.DEVELOPER, content))
+
+
+def _conversation(
+    messages: Sequence[Mapping[str, Any]],
+    reasoning_effort: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> list[Message]:
+    msgs = _to_harmony(messages, _reasoning_effort(reasoning_effort))
+    if tools is not None:
+        _with_function_tools(msgs, tools)
+    return msgs
+
+
 def _drop_past_analysis(messages: list[Message]) -> list[Message]:
     """Drop assistant analysis messages that precede the last final-channel message.
 
@@ -386,14 +434,20 @@ class Tokenizer:
 
     # ---- chat -------------------------------------------------------------------------
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], reasoning_effort: str = "medium"
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        reasoning_effort: str = "medium",
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids for generating the next assistant turn; ends with `<|start|>assistant`.
 
         Analysis messages of finished turns are dropped (see `_drop_past_analysis`), as
-        the model saw its history in training.
+        the model saw its history in training. `tools` (OpenAI function definitions) go
+        into the developer message's "functions" namespace; the model calls one with an
+        assistant message on the commentary channel to "functions.NAME", answered by a
+        tool message named "functions.NAME".
         """
-        msgs = _drop_past_analysis(_to_harmony(messages, _reasoning_effort(reasoning_effort)))
+        msgs = _drop_past_analysis(_conversation(messages, reasoning_effort, tools))
         return self.encoding.render_conversation_for_completion(
             Conversation.from_messages(msgs),
             Role.ASSISTANT,
@@ -401,9 +455,13 @@ class Tokenizer:
         )
 
     def render_chat_for_training(
-        self, messages: Sequence[Mapping[str, Any]], reasoning_effort: str = "medium"
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        reasoning_effort: str = "medium",
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[int], list[int]]:
         """(ids, loss_mask) of a whole conversation; the mask is 1 on what the model writes.
+        `tools` as in `render_chat`.
 
         The ids equal harmony's `render_conversation_for_training(...,
         auto_drop_analysis=False)`: every message given is rendered (drop analysis of
@@ -424,17 +482,20 @@ class Tokenizer:
             such a turn with <|return|>, so that <|end|> gets 0 rather than teaching the
             model to keep talking after its answer.
         """
-        msgs = _to_harmony(messages, _reasoning_effort(reasoning_effort))
+        msgs = _conversation(messages, reasoning_effort, tools)
         if not any(m.author.role == Role.ASSISTANT for m in msgs):
             raise ValueError(
                 "render_chat_for_training needs at least one assistant message to train on."
             )
         header = [START_ID, *self.encode(Role.ASSISTANT.value)]  # `<|start|>assistant`
+        # The system message names the functions namespace when tools are given, as harmony
+        # does when it renders the whole conversation.
+        options = RenderOptions(conversation_has_function_tools=bool(tools))
         ids: list[int] = []
         mask: list[int] = []
         prev_continues_turn = False
         for i, m in enumerate(msgs):
-            toks = self.encoding.render(m)
+            toks = self.encoding.render(m, options)
             is_last = i == len(msgs) - 1
             if m.author.role != Role.ASSISTANT:
                 ids += toks

@@ -5,6 +5,7 @@ items train.py's checkpoints hold, restored bit for bit, also by a fresh process
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from gpt_oss_train.io import storage
+from gpt_oss_train.io import storage, workdir_lock
 from gpt_oss_train.training import checkpoint as ckpt_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,3 +205,100 @@ def test_training_checkpoint_items_in_bucket(gcs_dir):
     assert restored[ckpt_lib.META] == meta
     for want in expected_batches:
         np.testing.assert_array_equal(next(fresh), want)
+
+
+# ----------------------------------------------------------------------------- 2 processes
+
+_JOB_SCRIPT = """
+import json, sys
+import jax, numpy as np, orbax.checkpoint as ocp
+from gpt_oss_train import sharding
+from gpt_oss_train.io import storage, workdir_lock
+
+sharding.initialize_distributed()
+workdir = sys.argv[1]
+try:
+    lock = workdir_lock.acquire_for_job(workdir)
+except workdir_lock.WorkdirLockError as e:
+    print(f"refused: {e}", flush=True)
+    sys.exit(2)
+mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+full = np.arange(48, dtype=np.float32).reshape(8, 6) * 1.5
+x = jax.make_array_from_callback(full.shape, sh, lambda index: full[index])
+mngr = ocp.CheckpointManager(storage.join(workdir, "checkpoints"), item_names=("params",))
+mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"x": x})))
+mngr.wait_until_finished()
+abstract = {"x": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=sh)}
+got = mngr.restore(1, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+mngr.close()
+shards = got["params"]["x"].addressable_shards
+ok = all(np.array_equal(np.asarray(s.data), full[s.index]) for s in shards)
+if jax.process_index() == 0:  # shared files: process 0 alone
+    with storage.open(storage.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"processes": jax.process_count()}) + "\\n")
+print(json.dumps({"process": jax.process_index(), "shards": len(shards), "ok": ok}), flush=True)
+if lock is not None:
+    lock.release()
+"""
+
+
+def _launch_two(workdir: str) -> subprocess.CompletedProcess:
+    """Runs _JOB_SCRIPT as 2 JAX processes of 4 CPU devices each through launch/local.sh."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT, COORDINATOR_PORT=str(port), DEVICES_PER_PROCESS="4")
+    cmd = ["bash", os.path.join(ROOT, "launch", "local.sh"), "2"]
+    return subprocess.run(
+        [*cmd, sys.executable, "-c", _JOB_SCRIPT, workdir],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _job_lines(out: str) -> dict[int, str]:
+    """The last line each process ([0] ..., [1] ...) printed."""
+    return {int(line[1]): line[4:] for line in out.splitlines() if line[:1] == "["}
+
+
+def test_two_process_job_checkpoints_to_bucket_and_refuses_a_locked_workdir(gcs_dir):
+    """Two JAX processes, each holding half the devices, save one sharded array to the bucket
+    (each process writes its own shards; Orbax coordinates) and restore it; process 0 alone
+    holds the workdir lock and writes the shared file. While another run holds the lock,
+    the same job is refused on both processes before it writes anything (exit 2)."""
+    done = _launch_two(gcs_dir)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = _job_lines(done.stdout)
+    assert {p: json.loads(lines[p]) for p in (0, 1)} == {
+        p: {"process": p, "shards": 4, "ok": True} for p in (0, 1)
+    }
+    assert storage.read_text(storage.join(gcs_dir, "metrics.jsonl")) == '{"processes": 2}\n'
+    params_dir = storage.join(gcs_dir, "checkpoints", "1", "params")
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(storage.listdir(params_dir))
+    assert storage.listdir(gcs_dir) == ["checkpoints", "metrics.jsonl"]  # lock released
+
+    # The bucket holds the whole array, whichever process wrote each part.
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"x": jax.ShapeDtypeStruct((8, 6), np.float32, sharding=one_device)}
+    mngr = ocp.CheckpointManager(storage.join(gcs_dir, "checkpoints"), item_names=("params",))
+    whole = mngr.restore(1, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+    mngr.close()
+    np.testing.assert_array_equal(
+        whole["params"]["x"], np.arange(48, dtype=np.float32).reshape(8, 6) * 1.5
+    )
+
+    second = storage.join(gcs_dir, "second")
+    other = workdir_lock.WorkdirLock(second).acquire()
+    try:
+        refused = _launch_two(second)
+        assert storage.listdir(second) == [workdir_lock.LOCK_NAME]  # the job wrote nothing
+    finally:
+        other.release()
+    assert refused.returncode == 2, refused.stdout[-4000:] + refused.stderr[-4000:]
+    lines = _job_lines(refused.stdout)
+    assert lines[0].startswith("refused: workdir gs://") and f"pid {os.getpid()}" in lines[0]
+    assert lines[1].startswith("refused: ") and "process 0" in lines[1]

@@ -92,6 +92,19 @@ def test_files_listing_and_removal(root):
         storage.listdir(storage.join(root, "sub"))
 
 
+def test_objects_another_writer_adds_are_seen_at_once(gcs_dir):
+    """fsspec caches listings by default, and then an object written by another host (or
+    by TensorStore in this process) stays invisible to exists/listdir; storage turns it off."""
+    from google.cloud import storage as gcs
+
+    storage.write_atomic(storage.join(gcs_dir, "a"), "1")
+    assert storage.listdir(gcs_dir) == ["a"] and not storage.exists(storage.join(gcs_dir, "b"))
+    bucket, _, prefix = gcs_dir[len("gs://") :].partition("/")
+    gcs.Client().bucket(bucket).blob(f"{prefix}/b").upload_from_string("2")
+    assert storage.listdir(gcs_dir) == ["a", "b"]
+    assert storage.exists(storage.join(gcs_dir, "b"))
+
+
 def test_appends_grow_the_file_across_reopen(root):
     """metrics.jsonl: one line per write, flushed at once, appended to on resume."""
     path = storage.join(root, "metrics.jsonl")
@@ -170,24 +183,30 @@ def test_lock_refuses_a_second_holder_with_one_line_naming_the_first(root):
         assert second.holder()["token"] == second._record["token"]
 
 
-def test_lock_concurrent_acquirers_exactly_one_wins(root):
-    storage.makedirs(root)
-    barrier = threading.Barrier(4)
+def _contend(workdir: str, n: int) -> tuple[list, list]:
+    """n threads try to take the lock at the same moment: (winners, refused)."""
+    barrier = threading.Barrier(n)
     won, refused = [], []
 
     def contend():
-        lock = wl.WorkdirLock(root)
+        lock = wl.WorkdirLock(workdir)
         barrier.wait()
         try:
             won.append(lock.acquire())
         except wl.WorkdirLockedError:
             refused.append(lock)
 
-    threads = [threading.Thread(target=contend) for _ in range(4)]
+    threads = [threading.Thread(target=contend) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return won, refused
+
+
+def test_lock_concurrent_acquirers_exactly_one_wins(root):
+    storage.makedirs(root)
+    won, refused = _contend(root, 4)
     assert (len(won), len(refused)) == (1, 3)
     assert won[0].holder()["token"] == won[0]._record["token"]
     won[0].release()
@@ -246,27 +265,13 @@ def test_gcs_lock_of_another_host_is_taken_over_only_after_its_lease(gcs_dir):
         assert lock.holder()["token"] == lock._record["token"]
 
 
-def test_gcs_stale_lock_two_takers_exactly_one_wins(gcs_dir):
+def test_gcs_stale_lock_concurrent_takers_exactly_one_wins(gcs_dir):
     storage.write_atomic(
         storage.join(gcs_dir, wl.LOCK_NAME), _other_host_record(heartbeat=time.time() - 1000)
     )
-    barrier = threading.Barrier(3)
-    won, refused = [], []
-
-    def contend():
-        lock = wl.WorkdirLock(gcs_dir)
-        barrier.wait()
-        try:
-            won.append(lock.acquire())
-        except wl.WorkdirLockedError:
-            refused.append(lock)
-
-    threads = [threading.Thread(target=contend) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    won, refused = _contend(gcs_dir, 3)
     assert (len(won), len(refused)) == (1, 2)
+    assert won[0].holder()["token"] == won[0]._record["token"]
     won[0].release()
 
 
@@ -294,9 +299,17 @@ def test_gcs_lock_heartbeat_renews_and_notices_a_takeover(gcs_dir):
     assert lock.holder()["token"] == "theirs"  # a lost lock is not deleted on release
 
 
-def test_lock_unsupported_scheme_and_single_process_job(tmp_path):
+def test_lock_unusable_storage_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(wl.WorkdirLockError, match="s3://"):
         wl.WorkdirLock("s3://bucket/run")
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(wl.WorkdirLockError, match="no Google Cloud credentials") as e:
+        wl.WorkdirLock("gs://bucket/run")
+    assert "\n" not in str(e.value)
+
+
+def test_lock_single_process_job(tmp_path):
     lock = wl.acquire_for_job(str(tmp_path))
     with pytest.raises(wl.WorkdirLockedError):
         wl.acquire_for_job(str(tmp_path))

@@ -168,11 +168,19 @@ class _GcsLeaseLock:
     """The lock object on GCS, written through google-cloud-storage's preconditions."""
 
     def __init__(self, url: str, is_stale: Callable[[dict], bool]):
+        import google.auth.exceptions
         from google.cloud import storage as gcs
 
         bucket, _, key = url[len("gs://") :].partition("/")
         self.path = url
-        self._blob = gcs.Client().bucket(bucket).blob(key)
+        try:
+            client = gcs.Client()
+        except google.auth.exceptions.DefaultCredentialsError as e:
+            raise WorkdirLockError(
+                f"{url}: no Google Cloud credentials ({str(e).splitlines()[0][:200]}); run "
+                "`gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS"
+            ) from None
+        self._blob = client.bucket(bucket).blob(key)
         self._is_stale = is_stale
         self._generation: int | None = None
 

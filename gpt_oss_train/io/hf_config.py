@@ -50,12 +50,27 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     Accepts both the transformers-5 ``rope_parameters`` and the older ``rope_scaling`` +
     ``rope_theta`` spellings. Raises ValueError naming the field for anything the model
-    does not implement.
+    does not implement; the values are then checked like every architecture
+    (model/architecture.py).
     """
     hf = dict(hf_cfg)
     mt = hf.get("model_type")
     if mt is not None and mt != "gpt_oss":
         raise ValueError(f"HF config: model_type is {mt!r}, expected 'gpt_oss'")
+    _check_unsupported(hf)
+    m = _read_sizes(hf)
+    m.update(_read_rope(hf))
+    m["max_position_embeddings"] = _as_int(
+        "max_position_embeddings", _get(hf, "max_position_embeddings", default=131072)
+    )
+    if m["rope_scaling_factor"] is None:  # transformers: max_position_embeddings / original
+        m["rope_scaling_factor"] = m["max_position_embeddings"] / m["rope_original_max_position"]
+    m["rms_norm_eps"] = float(_get(hf, "rms_norm_eps", default=1e-5))
+    m["swiglu_limit"] = float(_get(hf, "swiglu_limit", default=7.0))
+    return architecture.validate(m, "HF config")
+
+
+def _read_sizes(hf: Mapping[str, Any]) -> dict[str, Any]:
     m: dict[str, Any] = {}
     m["vocab_size"] = _as_int("vocab_size", _get(hf, "vocab_size"))
     m["hidden_size"] = _as_int("hidden_size", _get(hf, "hidden_size"))
@@ -65,16 +80,17 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
             f"HF config: num_hidden_layers must be even and >= 2 (layers come in "
             f"sliding/full pairs), got {nl}"
         )
+    lt = hf.get("layer_types")
+    if lt is not None and list(lt) != [SLIDING, FULL] * (nl // 2):
+        raise ValueError(
+            f"HF config: layer_types must alternate {SLIDING!r}, {FULL!r} starting "
+            f"with {SLIDING!r} for {nl} layers, got {list(lt)}"
+        )
     m["num_layers"] = nl
     m["num_heads"] = _as_int("num_attention_heads", _get(hf, "num_attention_heads"))
     m["num_kv_heads"] = _as_int(
         "num_key_value_heads", _get(hf, "num_key_value_heads", default=m["num_heads"])
     )
-    if m["num_heads"] % m["num_kv_heads"]:
-        raise ValueError(
-            f"HF config: num_attention_heads ({m['num_heads']}) must be a multiple "
-            f"of num_key_value_heads ({m['num_kv_heads']})"
-        )
     m["head_dim"] = _as_int(
         "head_dim", _get(hf, "head_dim", default=m["hidden_size"] // m["num_heads"])
     )
@@ -82,28 +98,13 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     m["experts_per_token"] = _as_int(
         "num_experts_per_tok", _get(hf, "num_experts_per_tok", "experts_per_token")
     )
-    if not 1 <= m["experts_per_token"] <= m["num_experts"]:
-        raise ValueError(
-            f"HF config: num_experts_per_tok={m['experts_per_token']} must be in "
-            f"[1, num_local_experts={m['num_experts']}]"
-        )
     m["intermediate_size"] = _as_int("intermediate_size", _get(hf, "intermediate_size"))
-    sw = hf.get("sliding_window")
-    if sw is None or _as_int("sliding_window", sw) < 1:
-        raise ValueError(f"HF config: sliding_window must be a positive integer, got {sw!r}")
-    m["sliding_window"] = int(sw)
+    m["sliding_window"] = _as_int("sliding_window", _get(hf, "sliding_window"))
+    return m
 
-    # Layer pattern: sliding, full, sliding, full, ...
-    lt = hf.get("layer_types")
-    if lt is not None:
-        want = [SLIDING, FULL] * (nl // 2)
-        if list(lt) != want:
-            raise ValueError(
-                f"HF config: layer_types must alternate {SLIDING!r}, {FULL!r} starting "
-                f"with {SLIDING!r} for {nl} layers, got {list(lt)}"
-            )
 
-    # RoPE (YaRN).
+def _read_rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The YaRN fields; rope_scaling_factor None means "derive it" (transformers' rule)."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling")
     if rp is None:
         raise ValueError(
@@ -125,33 +126,29 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
     prf = rp.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if prf is not None and float(prf) != 1.0:
         raise ValueError(f"HF config: partial_rotary_factor={prf} is not supported")
-    theta = rp.get("rope_theta", hf.get("rope_theta"))
-    m["rope_theta"] = float(theta if theta is not None else 150000.0)
     if "original_max_position_embeddings" not in rp:
         raise ValueError("HF config: rope_parameters.original_max_position_embeddings is missing")
-    orig = _as_int(
-        "rope_parameters.original_max_position_embeddings", rp["original_max_position_embeddings"]
-    )
-    m["max_position_embeddings"] = _as_int(
-        "max_position_embeddings", _get(hf, "max_position_embeddings", default=131072)
-    )
+    theta = rp.get("rope_theta", hf.get("rope_theta"))
+    truncate = rp.get("truncate", True)  # transformers: missing means True
+    if not isinstance(truncate, bool):
+        raise ValueError(f"HF config: rope_parameters.truncate must be a bool, got {truncate!r}")
     factor = rp.get("factor")
-    # transformers: a missing factor means max_position_embeddings / original.
-    m["rope_scaling_factor"] = float(
-        factor if factor is not None else m["max_position_embeddings"] / orig
-    )
-    m["rope_original_max_position"] = orig
-    # transformers treats missing / null / 0 beta as the paper defaults, and missing
-    # truncate as True.
-    m["rope_beta_fast"] = float(rp.get("beta_fast") or 32.0)
-    m["rope_beta_slow"] = float(rp.get("beta_slow") or 1.0)
-    tr = rp.get("truncate", True)
-    if not isinstance(tr, bool):
-        raise ValueError(f"HF config: rope_parameters.truncate must be a bool, got {tr!r}")
-    m["rope_truncate"] = tr
+    return {
+        "rope_theta": float(theta if theta is not None else 150000.0),
+        "rope_scaling_factor": None if factor is None else float(factor),
+        "rope_original_max_position": _as_int(
+            "rope_parameters.original_max_position_embeddings",
+            rp["original_max_position_embeddings"],
+        ),
+        # transformers treats missing / null / 0 beta as the paper's defaults.
+        "rope_beta_fast": float(rp.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rp.get("beta_slow") or 1.0),
+        "rope_truncate": truncate,
+    }
 
-    m["rms_norm_eps"] = float(_get(hf, "rms_norm_eps", default=1e-5))
-    m["swiglu_limit"] = float(_get(hf, "swiglu_limit", default=7.0))
+
+def _check_unsupported(hf: Mapping[str, Any]) -> None:
+    """Options transformers accepts that this model does not implement."""
     alpha = hf.get("swiglu_alpha")
     if alpha is not None and float(alpha) != SWIGLU_ALPHA:
         raise ValueError(
@@ -173,7 +170,6 @@ def hf_config_to_model_dict(hf_cfg: Mapping[str, Any]) -> dict[str, Any]:
                 f"HF config: quantization_config.quant_method={qm!r} is not supported "
                 "(only 'mxfp4')"
             )
-    return architecture.validate(m, "HF config")
 
 
 def model_dict_to_hf_config(m: Mapping[str, Any], *, dtype: str = "bfloat16") -> dict[str, Any]:

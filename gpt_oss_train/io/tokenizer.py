@@ -26,7 +26,6 @@ import hashlib
 import importlib.util
 import os
 import pathlib
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +47,8 @@ from openai_harmony import (
     ToolDescription,
     load_harmony_encoding,
 )
+
+from gpt_oss_train.io import storage
 
 # --------------------------------------------------------------------------------------
 # Token ids of o200k_harmony. They are fixed by the published encoding; the tests check
@@ -150,20 +151,9 @@ def ensure_vocab(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
                 f"{VOCAB_SHA256}. The bpe-openai installation is damaged or a different "
                 "version; reinstall it (`pip install --force-reinstall bpe-openai`)."
             )
-        folder.mkdir(parents=True, exist_ok=True)
-        # Write a temp file in the same folder, then rename over the target: os.replace is
-        # atomic, so a reader (or a second process racing us) sees the old or the complete
+        # Atomic: a reader (or a second process racing us) sees the old or the complete
         # new file, never a half-written one.
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{VOCAB_FILE}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
+        storage.write_atomic(target, data)
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
     return folder
 

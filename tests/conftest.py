@@ -167,3 +167,43 @@ def gcs_bucket(tmp_path_factory):
 def gcs_dir(gcs_bucket):
     """A fresh, empty gs:// folder for one test."""
     return f"{gcs_bucket}/{uuid.uuid4().hex[:12]}"
+
+
+def _expert_ffn(x, weights, idx, w, limit=7.0, alpha=1.702):
+    """float64, from the definition (moe.py's docstring): token t's output is the routing
+    weighted sum over its chosen experts e of
+    (min(x Wg + bg, limit) * sigmoid(alpha * gate) * (clip(x Wu + bu) + 1)) Wo + bo,
+    on dense [E, in, out] weights."""
+    import numpy as np
+
+    out = np.zeros((x.shape[0], w["wo"].shape[2]))
+    for t in range(x.shape[0]):
+        for weight, e in zip(weights[t], idx[t]):
+            gate = np.minimum(x[t] @ w["wi_gate"][e] + w["bi_gate"][e], limit)
+            up = np.clip(x[t] @ w["wi_up"][e] + w["bi_up"][e], -limit, limit)
+            act = gate / (1 + np.exp(-alpha * gate)) * (up + 1)
+            out[t] += weight * (act @ w["wo"][e] + w["bo"][e])
+    return out
+
+
+@pytest.fixture(scope="session")
+def expert_ffn_reference():
+    """ffn(x [T, D], weights [T, k], idx [T, k], w: dict of dense expert arrays) -> the
+    MoE output in float64 (limit 7, alpha 1.702 as gpt-oss)."""
+    return _expert_ffn
+
+
+def _run_tool_json(script: str, *args: str) -> list[dict]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, f"tools/{script}", *args]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="session")
+def run_tool_json():
+    """run(script, *args) -> the JSON records tools/<script> prints, run on the CPU as a
+    user would (a subprocess); fails the test on a non-zero exit."""
+    return _run_tool_json

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_flash_attention import run_tool
 
 from gpt_oss_train.model import decode_experts as dex
 from gpt_oss_train.model import moe as moe_lib
@@ -33,18 +32,6 @@ def test_tile_layout_puts_each_pair_in_a_tile_of_its_expert():
         assert np.all(np.diff(tile_expert[:used]) >= 0)  # tiles in expert order
 
 
-def numpy_ffn(x, weights, idx, w):
-    """float64, straight from the definition (see moe.py), on dense [E, in, out] weights."""
-    out = np.zeros((x.shape[0], w["wo"].shape[2]))
-    for t in range(x.shape[0]):
-        for weight, e in zip(weights[t], idx[t]):
-            gate = np.minimum(x[t] @ w["wi_gate"][e] + w["bi_gate"][e], LIMIT)
-            up = np.clip(x[t] @ w["wi_up"][e] + w["bi_up"][e], -LIMIT, LIMIT)
-            act = gate / (1 + np.exp(-ALPHA * gate)) * (up + 1)
-            out[t] += weight * (act @ w["wo"][e] + w["bo"][e])
-    return out
-
-
 def _routing(t, k, e, rng, one_expert=False):
     idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
     if one_expert:  # every token's first choice is the last expert; the rest elsewhere
@@ -58,9 +45,12 @@ def _routing(t, k, e, rng, one_expert=False):
     [(1, 4, 8, False), (6, 4, 8, False), (37, 2, 4, True)],
     ids=["decode_batch1", "batch6", "all_tokens_on_one_expert"],
 )
-def test_dense_ffn_matches_float64_reference_and_gathered_path(t, k, e, one_expert):
+def test_dense_ffn_matches_float64_reference_and_gathered_path(
+    t, k, e, one_expert, expert_ffn_reference
+):
     """float32 weights in the contraction-minor layout (in = 80 padded to 128), through the
     interpreted kernel, against float64 numpy and against moe.gathered_ffn."""
+    numpy_ffn = expert_ffn_reference
     d, f = 80, 48
     rng = np.random.RandomState(t)
     idx, weights = _routing(t, k, e, rng, one_expert)
@@ -111,9 +101,10 @@ def test_dense_kernel_lowers_to_triton_for_cuda():
 
 
 @pytest.mark.slow
-def test_bench_moe_decode_tool_reports_each_backend():
+def test_bench_moe_decode_tool_reports_each_backend(run_tool_json):
     """tools/bench_moe_decode.py in interpret mode on tiny shapes (9 tokens x top-2 of 4
     experts: every expert chosen): one record per (batch, back-end)."""
+    run_tool = run_tool_json
     rows = run_tool(
         "bench_moe_decode.py", "--batch_sizes=1,9", "--experts=4", "--top_k=2", "--hidden=64",
         "--intermediate=32", "--routings=2", "--steps=1", "--interpret",

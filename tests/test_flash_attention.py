@@ -183,11 +183,13 @@ def test_model_gradients_with_flash_equal_xla():
     """The tiny model (one scanned block of a banded and a full layer, full remat, GQA,
     head_dim 16) trained through attention_impl='flash' in interpret mode: loss and
     parameter gradients equal those through 'xla'."""
-    from test_model import tiny_cfg
-
+    from gpt_oss_train import config as config_lib
     from gpt_oss_train.model.transformer import ModelDef
 
-    mc = tiny_cfg(num_layers=2, scan_layers=True, remat_policy="full")
+    c = config_lib.default_config()  # the tiny preset: 2 layers of width 64, GQA 4:2
+    c.model.update(vocab_size=512, intermediate_size=32)
+    c.update(dtype="float32", scan_layers=True, remat_policy="full")
+    mc = config_lib.ModelConfig.from_config(c)
     params = ModelDef(mc).init(0)
     tokens = jax.random.randint(jax.random.key(0), (2, 20), 0, mc.vocab_size)
 
@@ -277,25 +279,11 @@ def test_bfloat16_kernels_are_as_accurate_as_xla_in_bfloat16():
         assert flash_err <= 2 * xla_err + 2**-9, (xla_err, flash_err)
 
 
-def run_tool(script: str, *args: str) -> list[dict]:
-    """Run tools/<script> on the CPU as a user would; its JSON records."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    cmd = [sys.executable, f"tools/{script}", *args]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-
-
 @pytest.mark.slow
-def test_bench_attention_tool_reports_each_backend():
+def test_bench_attention_tool_reports_each_backend(run_tool_json):
     """tools/bench_attention.py in interpret mode on tiny shapes: one JSON record per
     back-end, flash compared with blockwise."""
+    run_tool = run_tool_json
     rows = run_tool(
         "bench_attention.py", "--seq_lens=48", "--windows=8", "--heads=2", "--kv_heads=1",
         "--head_dim=16", "--block=16", "--steps=1", "--interpret",

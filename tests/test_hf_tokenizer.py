@@ -477,10 +477,8 @@ def _zeros_getter(model):
     )
 
 
-def test_save_hf_skips_the_tokenizer_for_other_vocabularies_or_when_asked(tmp_path):
+def test_save_hf_skips_the_tokenizer_for_other_vocabularies_or_when_asked(tmp_path, hf_tiny_config):
     # The written case (vocabulary 201088, the default) is the convert_checkpoint test below.
-    from test_parity import hf_tiny_config
-
     from gpt_oss_train.io import hf, hf_config
 
     small = hf_config.hf_config_to_model_dict(hf_tiny_config().to_dict())
@@ -492,12 +490,11 @@ def test_save_hf_skips_the_tokenizer_for_other_vocabularies_or_when_asked(tmp_pa
 
 
 @pytest.mark.slow
-def test_converted_checkpoint_serves_with_transformers(tmp_path, ref):
+def test_converted_checkpoint_serves_with_transformers(tmp_path, ref, hf_tiny_config):
     """A tiny gpt-oss with the real vocabulary: HF -> Orbax -> HF through the tool, then
     loaded as `transformers serve` does (AutoTokenizer + GptOssForCausalLM) and prompted
     through the chat template."""
     import torch
-    from test_parity import hf_tiny_config
 
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(hf_tiny_config(vocab_size=tk.VOCAB_SIZE)).eval()

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode_experts import ALPHA, LIMIT, numpy_ffn
 
 from gpt_oss_train.io.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
 from gpt_oss_train.model import decode_experts as dex
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model import mxfp4_experts as mx
+
+LIMIT, ALPHA = 7.0, 1.702  # gpt-oss's SwiGLU clamp and slope
 
 
 def test_in_kernel_decoding_matches_the_codec():
@@ -55,9 +56,10 @@ def _case(t, k, e, d, f, seed, one_expert=False):
     [(1, 4, 8, False), (6, 4, 8, False), (37, 2, 4, True)],
     ids=["decode_batch1", "batch6", "all_tokens_on_one_expert"],
 )
-def test_ffn_matches_float64_dequantize_then_multiply(t, k, e, one_expert):
+def test_ffn_matches_float64_dequantize_then_multiply(t, k, e, one_expert, expert_ffn_reference):
     """From the HF tensors (interleaved gate/up, groups padded: in = 96 is 3 groups, padded
     to 8), through the interpreted kernel in float32, against float64 numpy."""
+    numpy_ffn = expert_ffn_reference
     d, f = 96, 64
     x, weights, idx, dense, experts = _case(t, k, e, d, f, seed=t, one_expert=one_expert)
     ref = numpy_ffn(x, weights, idx, dense)

@@ -38,30 +38,35 @@ import os
 import sys
 import time
 
-# Set before libtpu loads. Off a TPU VM, libtpu would otherwise ask the GCE metadata
-# server for the accelerator type and worker names, fail, and log errors; these are only
-# defaults (a TPU VM's own environment wins), and the accelerator type named here does
-# not constrain the topology compiled for. JAX_PLATFORMS=cpu keeps a TPU VM's own chips
-# free: nothing here runs on them, which is also why several compiles may load libtpu at
-# once (it otherwise holds /tmp/libtpu_lockfile and refuses a second process).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# The same on-chip scratch limit launch/tpu_pod.sh and launch/xpk.sh give the pod, so
-# this check compiles what the pod will run.
-os.environ.setdefault("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
-
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags
+from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GiB = 2**30
 
 
+def offline_tpu_environment():
+    """Set before libtpu loads (and JAX_PLATFORMS before JAX picks its backends: the CLI
+    calls this first). Off a TPU VM, libtpu would otherwise ask the GCE metadata server
+    for the accelerator type and worker names, fail, and log errors; these are only
+    defaults (a TPU VM's own environment wins), and the accelerator type named here does
+    not constrain the topology compiled for. JAX_PLATFORMS=cpu keeps a TPU VM's own chips
+    free: nothing here runs on them, which is also why several compiles may load libtpu at
+    once (it otherwise holds /tmp/libtpu_lockfile and refuses a second process). Not done
+    at import: an importing process (a test) keeps its environment."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # The same on-chip scratch limit launch/tpu_pod.sh and launch/xpk.sh give the pod, so
+    # this check compiles what the pod will run.
+    os.environ.setdefault("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+
+
 def topology_devices(topology: str, num_slices: int = 1) -> list:
     """Compile-only TPU devices of `topology` (num_slices copies of it over DCN)."""
+    offline_tpu_environment()
     try:
         import libtpu  # noqa: F401  (only to give a clear message when it is missing)
     except ImportError:
@@ -413,5 +418,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    offline_tpu_environment()
     _define_flags()
     app.run(main)

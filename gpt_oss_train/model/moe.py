@@ -12,9 +12,11 @@ and the token's output is sum_k w_k y_k.
 Back-ends (config.moe_impl), all exact, differing in cost and sharding:
   dense    every expert on every token, then weighted: E/k times the FLOPs. The
            obviously-correct reference, for tests and tiny models.
-  ragged   sort the (token, expert) pairs by expert and run grouped matmuls
-           (`jax.lax.ragged_dot`, or JAX's Mosaic GPU kernel on Hopper): FLOPs of the
-           active experts only. Decode-sized batches gather the chosen experts' weights.
+  ragged   sort the (token, expert) pairs by expert and run grouped matmuls with the
+           platform's fastest kernel (grouped_matmul.py: tiles on CPUs and GPUs, the
+           native ragged dot on TPUs, Mosaic on Hopper): FLOPs of the active experts
+           only, forward and backward. Decode-sized batches on accelerators gather the
+           chosen experts' weights instead.
   sharded  `ragged` inside `shard_map` with expert parallelism: each device holds
            E/expert experts (and a slice of the hidden dim over `tensor`), computes the
            pairs routed to its experts for the tokens of its `expert` group, and the
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
 
 class ExpertWeights(NamedTuple):
@@ -92,11 +95,11 @@ def _grouped_ffn(
     sum(group_sizes) (if any) come out as zeros."""
     f32 = jnp.float32
     x = x_rd.astype(dtype)
-    gate = grouped_matmul(x, w.wi_gate.astype(dtype), group_sizes)
-    up = grouped_matmul(x, w.wi_up.astype(dtype), group_sizes)
+    gate = grouped_matmul(x, w.wi_gate, group_sizes)
+    up = grouped_matmul(x, w.wi_up, group_sizes)
     e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
     act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
-    y = grouped_matmul(act.astype(dtype), w.wo.astype(dtype), group_sizes)
+    y = grouped_matmul(act.astype(dtype), w.wo, group_sizes)
     if add_out_bias:
         y = y + w.bo.astype(f32)[e]
     return y
@@ -133,88 +136,6 @@ def gathered_ffn(
     act = _glu(gate, up, limit, alpha)
     y = matvec(act.astype(dtype), pick(w.wo)) + w.bo.astype(f32)[flat]
     return jnp.einsum("tk,tkd->td", weights_tk, y.reshape(t, k, -1))
-
-
-# ----------------------------------------------------------------------------- grouped matmul
-#
-# `jax.lax.ragged_dot` is exact everywhere, but XLA's GPU lowering expands it to a dense
-# product per group (it allocated 135 GiB for one 2-layer gpt-oss-20b step on an H200).
-# On Hopper we use JAX's Mosaic GPU ragged-dot kernels instead, with a custom VJP:
-#   y  = ragged_dot(x, w)            [M,K] x [G,K,N] -> [M,N]
-#   dx = ragged_dot(dy, w^T)         (the same kernel, rhs transposed)
-#   dw = transposed_ragged_dot(x, dy) -> [G,K,N]  (groups along the contraction)
-# Tiles must divide the dimensions (gpt-oss: 2880 = 45 x 64); other shapes, dtypes and
-# platforms use lax.ragged_dot.
-
-_BLOCK_K = 64
-
-
-def _mgpu_tiles(k: int, n: int) -> dict | None:
-    for block_n in (192, 128, 64):
-        if n % block_n == 0 and k % _BLOCK_K == 0:
-            return dict(
-                block_m=128,
-                block_n=block_n,
-                block_k=_BLOCK_K,
-                max_concurrent_steps=3,
-                grid_block_n=1,
-            )
-    return None
-
-
-def _use_mgpu(x, w) -> bool:
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        return False
-    dev = sharding.device()
-    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
-        return False
-    k, n = w.shape[1], w.shape[2]
-    return _mgpu_tiles(k, n) is not None and _mgpu_tiles(n, k) is not None and k % 64 == 0
-
-
-@jax.custom_vjp
-def _mgpu_grouped_matmul(x, w, group_sizes):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=group_sizes, **_mgpu_tiles(w.shape[1], w.shape[2])
-    )
-
-
-def _mgpu_fwd(x, w, group_sizes):
-    return _mgpu_grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
-
-
-def _mgpu_bwd(res, dy):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    x, w, group_sizes = res
-    dy = dy.astype(x.dtype)
-    dx = ragged_dot_mgpu.ragged_dot(
-        dy, w, group_sizes=group_sizes, transpose_rhs=True, **_mgpu_tiles(w.shape[2], w.shape[1])
-    )
-    k, n = w.shape[1], w.shape[2]
-    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x,
-        dy,
-        group_sizes=group_sizes,
-        block_m=64,
-        block_n=_mgpu_tiles(k, n)["block_n"],
-        block_k=_BLOCK_K,
-        max_concurrent_steps=3,
-        grid_block_n=1,
-    )
-    return dx, dw.astype(w.dtype), None
-
-
-_mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
-
-
-def grouped_matmul(x, w, group_sizes):
-    """[M, K] x [G, K, N] -> float32 [M, N]; rows grouped contiguously by group_sizes."""
-    if _use_mgpu(x, w):
-        return _mgpu_grouped_matmul(x, w, group_sizes).astype(jnp.float32)
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
 def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):

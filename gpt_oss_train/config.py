@@ -20,6 +20,8 @@ from typing import Any
 
 import ml_collections
 
+from gpt_oss_train import runtime
+
 # The architecture fields, in the order they are documented. A checkpoint stores exactly
 # these, so a decode or fine-tune run rebuilds the network it was trained with.
 ARCH_FIELDS = (
@@ -128,6 +130,9 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 ATTENTION_IMPLS = ("xla", "blockwise", "splash")
 MOE_IMPLS = ("dense", "ragged", "sharded")
 DTYPES = ("float32", "bfloat16", "float16")
+# config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
+# float32 elsewhere (runtime.resolve_dtype, decided on the machine that runs).
+COMPUTE_DTYPES = ("auto",) + DTYPES
 
 
 def model_preset(name: str) -> ml_collections.ConfigDict:
@@ -143,7 +148,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     # How to compute: parameters stored in param_dtype, matmuls in dtype; norms, softmax,
     # router, RoPE angles and the loss always run in float32.
-    c.dtype = "bfloat16"
+    c.dtype = "auto"  # one of COMPUTE_DTYPES
     c.param_dtype = "float32"
     c.scan_layers = True  # lax.scan over 2-layer (banded, full) blocks
     c.remat_policy = "full"  # one of REMAT_POLICIES
@@ -279,7 +284,7 @@ class ModelConfig:
         arch = model_arch(config) if arch is None else arch
         return cls(
             **arch,
-            dtype=config.dtype,
+            dtype=runtime.resolve_dtype(config.dtype),
             param_dtype=config.param_dtype,
             scan_layers=config.scan_layers,
             remat_policy=config.remat_policy,
@@ -384,7 +389,11 @@ def validate(config: ml_collections.ConfigDict):
                 f"{section}.{k}",
                 f"unknown field; valid fields are {sorted(defaults.keys())}",
             )
-    _check(config.dtype in DTYPES, "dtype", f"{config.dtype!r} is not one of {DTYPES}")
+    _check(
+        config.dtype in COMPUTE_DTYPES,
+        "dtype",
+        f"{config.dtype!r} is not one of {COMPUTE_DTYPES}",
+    )
     _check(
         config.param_dtype in DTYPES,
         "param_dtype",

@@ -67,7 +67,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import sharding
+from gpt_oss_train import runtime, sharding
 from gpt_oss_train.inference.generate import Generator, SamplingParams, cache_length
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
@@ -214,7 +214,7 @@ def load_model(
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=jax.local_devices())
     abstract = md.abstract_params(mesh, rules)
     logging.info(
-        "Loading %s checkpoint %s: compute %s, mesh %s", kind, path, config.dtype, dict(mesh.shape)
+        "Loading %s checkpoint %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
     )
     try:
         if kind == "orbax":
@@ -675,7 +675,8 @@ def _define_flags():
         None,
         ["float32", "bfloat16"],
         "Compute dtype (default: the "
-        "config's, bfloat16 without --config). Parameters stay float32.",
+        "config's; without --config bfloat16 where the hardware has fast bfloat16 "
+        "matmuls, else float32). Parameters stay float32.",
     )
     flags.DEFINE_integer("max_new_tokens", 256, "Most tokens generated per request.")
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -865,6 +866,7 @@ def main(argv):
     from gpt_oss_train.training.metrics import quiet_library_logs
 
     quiet_library_logs()
+    runtime.setup_compilation_cache()
     try:
         return _run(flags.FLAGS)
     except (DecodeError, ckpt_lib.CheckpointError, config_lib.ConfigError) as e:

@@ -25,7 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import sharding
+from gpt_oss_train import runtime, sharding
 from gpt_oss_train.model.transformer import ModelDef
 from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
@@ -265,6 +265,7 @@ def evaluate(config, eval_step, params, mesh, rules) -> float:
 def main(argv):
     del argv
     metrics_lib.quiet_library_logs()
+    runtime.setup_compilation_cache()
     sharding.initialize_distributed()
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required: where checkpoints and metrics go")

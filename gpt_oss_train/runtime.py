@@ -36,12 +36,13 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def fast_bfloat16(platform: str | None = None) -> bool:
-    """True on GPUs and TPUs, and on CPUs with AMX or AVX512-BF16."""
+def fast_bfloat16(platform: str | None = None, flags: frozenset[str] | None = None) -> bool:
+    """True on GPUs and TPUs, and on CPUs with AMX or AVX512-BF16 (`flags`: the CPU's,
+    default read from /proc/cpuinfo)."""
     platform = platform or jax.devices()[0].platform
     if platform != "cpu":
         return True
-    return any(f in cpu_flags() for f in BF16_CPU_FLAGS)
+    return any(f in (cpu_flags() if flags is None else flags) for f in BF16_CPU_FLAGS)
 
 
 def resolve_dtype(name: str, platform: str | None = None) -> str:

@@ -77,14 +77,16 @@ def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, d
     t = x_td.shape[0]
     num_experts = w.wi_gate.shape[0]
     x = x_td.astype(dtype)
-    f32 = jnp.float32
+    f32 = jnp.promote_types(dtype, jnp.float32)  # float64 when the reference runs in it
     gate = jnp.einsum("td,edf->tef", x, w.wi_gate.astype(dtype), preferred_element_type=f32)
     up = jnp.einsum("td,edf->tef", x, w.wi_up.astype(dtype), preferred_element_type=f32)
     act = _glu(gate + w.bi_gate.astype(f32), up + w.bi_up.astype(f32), limit, alpha)
     y = jnp.einsum(
         "tef,efd->ted", act.astype(dtype), w.wo.astype(dtype), preferred_element_type=f32
     ) + w.bo.astype(f32)
-    combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(weights_tk)
+    combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(
+        weights_tk.astype(f32)
+    )
     return jnp.einsum("te,ted->td", combine, y)
 
 
@@ -138,16 +140,18 @@ def gathered_ffn(
     return jnp.einsum("tk,tkd->td", weights_tk, y.reshape(t, k, -1))
 
 
-def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-    """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum.
-    Decode-sized batches (t*k <= experts/4) take the gathered path instead: gathering
-    copies each chosen expert, so it only pays while few experts are chosen in total
-    (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms at batch 8 where grouped
+def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
+    """Whether a batch is decode-sized enough for `gathered_ffn` (tokens x k <= experts/4):
+    gathering copies each chosen expert, so it only pays while few experts are chosen in
+    total (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms at batch 8 where grouped
     matmuls read each expert once)."""
+    return 4 * tokens * k <= num_experts
+
+
+def grouped_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum."""
     t, k = idx_tk.shape
     num_experts = w.wi_gate.shape[0]
-    if 4 * t * k <= num_experts:
-        return gathered_ffn(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
     flat = idx_tk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
@@ -156,6 +160,14 @@ def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, 
     )
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
     return jnp.einsum("tk,tkd->td", weights_tk, y)
+
+
+def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """Dropless MoE at the cost of the experts used: `grouped_experts`, or `gathered_ffn`
+    for decode-sized batches (`use_gathered`)."""
+    t, k = idx_tk.shape
+    impl = gathered_ffn if use_gathered(t, k, w.wi_gate.shape[0]) else grouped_experts
+    return impl(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
 
 
 def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):

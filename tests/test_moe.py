@@ -146,6 +146,10 @@ GROUPINGS = [
 ]
 
 
+# (big, small) tiles: one-row tiles; small tiles only; both, smaller and larger than groups
+TILES = [gm.Tiles(1, 1), gm.Tiles(4, 4), gm.Tiles(16, 4), gm.Tiles(64, 8)]
+
+
 @pytest.mark.parametrize("sizes,rows", GROUPINGS)
 def test_tiled_grouped_matmul_and_its_gradients_equal_float64(sizes, rows):
     rng = np.random.RandomState(sum(sizes) + len(sizes))
@@ -154,12 +158,12 @@ def test_tiled_grouped_matmul_and_its_gradients_equal_float64(sizes, rows):
     ref = numpy_grouped_matmul(x, w, sizes, dy)
     gs = jnp.array(sizes, jnp.int32)
     with jax.enable_x64(True):
-        for block in (1, 4, 16, 64):  # tiles smaller and larger than the groups
-            f = lambda x, w: gm.tiled_grouped_matmul(x, w, gs, block)
+        for tiles in TILES:
+            f = lambda x, w: gm.tiled_grouped_matmul(x, w, gs, tiles)
             y, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
             for got, want in zip((y, *vjp(jnp.asarray(dy))), ref):
                 assert got.dtype == jnp.float64
-                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(block))
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(tiles))
     # float32 operands: float32 rounding only (products of 8 terms)
     f = lambda x, w: gm.grouped_matmul(x, w, gs, "tiled")
     y, vjp = jax.vjp(f, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
@@ -167,16 +171,10 @@ def test_tiled_grouped_matmul_and_its_gradients_equal_float64(sizes, rows):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_tiles_cover_rows_plus_bounded_padding():
-    """FLOPs follow the rows: a group of n rows takes ceil(n / block) tiles."""
-    sizes = jnp.array([0, 17, 3, 0, 20, 0], jnp.int32)
-    for block, want in ((1, 40), (4, 5 + 1 + 5), (16, 2 + 1 + 2), (64, 3)):
-        _, first, _, count = gm._schedule(sizes, block, 40)
-        assert int(count) == want
-    _, first, _, _ = gm._schedule(sizes, 16, 40)
-    assert first[:5].tolist() == [0, 16, 17, 20, 36]  # each group's tiles start at its rows
-    assert gm.tile_rows(8192, 32) == 128 and gm.tile_rows(8192, 128) == 64
-    assert gm.tile_rows(64, 32) == 8  # decode sizes: small tiles, little padding
+def test_tile_sizes_follow_the_mean_group_size():
+    assert gm.tile_rows(8192, 8) == (128, 32)  # training and prefill: big tiles
+    assert gm.tile_rows(8192, 128) == (64, 16)
+    assert gm.tile_rows(64, 32) == (8, 8)  # decode sizes: little padding per expert
 
 
 def test_cpu_uses_tiles_and_int8_weights_dequantize_per_tile():

@@ -3,7 +3,7 @@ forward + backward, against the floor: one dense matmul of the same rows.
 
   # grouped matmul [rows, hidden] x [experts, hidden, expert_hidden], rows routed top-k
   python tools/moe_benchmark.py --rows=8192 --hidden=768 --expert_hidden=768 \
-      --experts=8,32,128 --blocks=32,64,128
+      --experts=8,32,128 --tiles=128:128,64:16
 
   # decode-sized batches: the gathered path against the grouped one, per token count
   python tools/moe_benchmark.py --mode=decode --experts=32 --tokens=1,2,4,8,16
@@ -30,23 +30,33 @@ _HIDDEN = flags.DEFINE_integer("hidden", 768, "Model dimension (contraction of x
 _EXPERT_HIDDEN = flags.DEFINE_integer("expert_hidden", 768, "Expert hidden dimension.")
 _EXPERTS = flags.DEFINE_list("experts", ["8", "32", "128"], "Expert counts.")
 _K = flags.DEFINE_integer("k", 4, "Experts per token.")
-_BLOCKS = flags.DEFINE_list("blocks", [], "kernels: tile sizes to try besides the default.")
+_TILES = flags.DEFINE_list(
+    "tiles", [], "kernels: tiles (big:small rows) to try besides the default, e.g. 128:32."
+)
 _RAGGED_MAX = flags.DEFINE_integer(
     "ragged_dot_max_experts", 32, "Time lax.ragged_dot only up to this many experts (slow)."
 )
 _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16"], "decode: tokens per step.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per case (best is kept).")
+_CLOCK = flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "What a time is (see best_times).")
 
 
-def best_time(fn, *args) -> float:
+def best_times(calls: dict) -> dict:
+    """{name: (fn, args)} -> {name: best seconds}. Calls are compiled first, then timed
+    round-robin, so load from other processes falls on every case alike. --clock=cpu
+    counts this process's CPU seconds instead of wall seconds: on a shared machine
+    they move less with other jobs' load (but count threads spinning while they wait)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(_REPEATS.value):
-        t0 = time.perf_counter()
+    clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
+    for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(_REPEATS.value):
+        for name, (fn, args) in calls.items():
+            t0 = clock()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], clock() - t0)
     return best
 
 
@@ -77,14 +87,31 @@ def expert_weights(experts: int, d: int, f: int, seed: int = 1):
     )
 
 
-def _fwd_and_vjp(fn, x, w):
-    """Jitted forward, and jitted forward + backward (a vjp with a fixed cotangent)."""
+def _time_fwd_and_vjp(cases: dict, x, w, experts: int) -> list[dict]:
+    """Each case jitted forward, and forward + backward (a vjp with a fixed cotangent);
+    times relative to the first case (the floor)."""
     import jax
 
-    fwd = jax.jit(fn)
-    vjp = jax.jit(lambda x, w, ct: jax.vjp(fn, x, w)[1](ct))
-    ct = jax.random.normal(jax.random.key(2), jax.eval_shape(fn, x, w).shape)
-    return best_time(fwd, x, w), best_time(vjp, x, w, ct)
+    ct = jax.random.normal(
+        jax.random.key(2), jax.eval_shape(next(iter(cases.values())), x, w).shape
+    )
+    calls = {}
+    for name, fn in cases.items():
+        calls[(name, "fwd")] = (jax.jit(fn), (x, w))
+        vjp = jax.jit(lambda x, w, ct, fn=fn: jax.vjp(fn, x, w)[1](ct))
+        calls[(name, "vjp")] = (vjp, (x, w, ct))
+    t = best_times(calls)
+    floor = next(iter(cases))
+    return [
+        dict(
+            experts=experts,
+            kernel=name,
+            fwd_ms=t[(name, "fwd")] * 1e3,
+            fwd_bwd_ms=t[(name, "vjp")] * 1e3,
+            fwd_bwd_vs_floor=t[(name, "vjp")] / t[(floor, "vjp")],
+        )
+        for name in cases
+    ]
 
 
 def bench_kernels(experts: int) -> list[dict]:
@@ -102,17 +129,11 @@ def bench_kernels(experts: int) -> list[dict]:
     if experts <= _RAGGED_MAX.value:
         cases["ragged_dot"] = lambda x, w: gm.grouped_matmul(x, w, group_sizes, "ragged_dot")
     default = gm.tile_rows(rows, experts)
-    for block in sorted({default, *(int(b) for b in _BLOCKS.value)}):
-        name = f"tiled {block}" + (" (default)" if block == default else "")
-        cases[name] = lambda x, w, b=block: gm.tiled_grouped_matmul(x, w, group_sizes, b)
-    out = []
-    for name, fn in cases.items():
-        fwd, vjp = _fwd_and_vjp(fn, x, w)
-        out.append(dict(experts=experts, kernel=name, fwd_ms=fwd * 1e3, fwd_bwd_ms=vjp * 1e3))
-    floor = out[0]
-    for r in out:
-        r["fwd_bwd_vs_floor"] = r["fwd_bwd_ms"] / floor["fwd_bwd_ms"]
-    return out
+    others = [gm.Tiles(*(int(v) for v in t.split(":"))) for t in _TILES.value]
+    for tiles in sorted({default, *others}, reverse=True):
+        name = f"tiled {tiles.big}:{tiles.small}" + (" (default)" if tiles == default else "")
+        cases[name] = lambda x, w, t=tiles: gm.tiled_grouped_matmul(x, w, group_sizes, t)
+    return _time_fwd_and_vjp(cases, x, w, experts)
 
 
 def bench_layer(experts: int) -> list[dict]:
@@ -138,13 +159,7 @@ def bench_layer(experts: int) -> list[dict]:
         "floor (dense FFN, same rows)": floor,
         "ragged (platform kernel)": lambda x, w: moe.ragged_experts(x, weights, idx, w, **common),
     }
-    out = []
-    for name, fn in cases.items():
-        fwd, vjp = _fwd_and_vjp(fn, x, w)
-        out.append(dict(experts=experts, kernel=name, fwd_ms=fwd * 1e3, fwd_bwd_ms=vjp * 1e3))
-    for r in out:
-        r["fwd_bwd_vs_floor"] = r["fwd_bwd_ms"] / out[0]["fwd_bwd_ms"]
-    return out
+    return _time_fwd_and_vjp(cases, x, w, experts)
 
 
 def bench_decode(experts: int) -> list[dict]:
@@ -162,9 +177,14 @@ def bench_decode(experts: int) -> list[dict]:
         x = jax.random.normal(jax.random.key(3), (t, d))
         gathered = jax.jit(lambda x, w: moe.gathered_ffn(x, weights, idx, w, **common))
         grouped = jax.jit(lambda x, w: moe.grouped_experts(x, weights, idx, w, **common))
-        tg, tt = best_time(gathered, x, w), best_time(grouped, x, w)
+        best = best_times({"gathered": (gathered, (x, w)), "grouped": (grouped, (x, w))})
         out.append(
-            dict(experts=experts, tokens=t, gathered_ms=tg * 1e3, grouped_ms=tt * 1e3)
+            dict(
+                experts=experts,
+                tokens=t,
+                gathered_ms=best["gathered"] * 1e3,
+                grouped_ms=best["grouped"] * 1e3,
+            )
         )
     return out
 
@@ -178,11 +198,12 @@ def main(argv):
     rows = []
     for e in (int(v) for v in _EXPERTS.value):
         for r in bench(e):
-            r = {"mode": _MODE.value, "rows": _ROWS.value, "hidden": _HIDDEN.value, **r}
+            r = {"mode": _MODE.value, "clock": _CLOCK.value, "rows": _ROWS.value, **r}
+            r["hidden"] = _HIDDEN.value
             r["expert_hidden"] = _EXPERT_HIDDEN.value
             print(json.dumps(r), flush=True)
             rows.append(r)
-    cols = [c for c in rows[0] if c not in ("mode", "rows", "hidden", "expert_hidden")]
+    cols = [c for c in rows[0] if c not in ("mode", "clock", "rows", "hidden", "expert_hidden")]
     cell = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

@@ -10,15 +10,16 @@ Kernels (`kernel_for` picks one from the platform being compiled for):
   ragged_dot  `jax.lax.ragged_dot`: TPUs lower it natively. XLA's CPU and GPU lowerings
               multiply every row by every group's weights (G times the FLOPs: 35x slower
               than the useful work at 32 experts on a CPU).
-  tiled       everywhere else: a loop over tiles of `block` rows, each tile inside one
-              group and multiplied by that group's weights alone. A group of n rows takes
-              ceil(n / block) tiles, so FLOPs are (M + at most G * (block - 1)) * K * N,
-              forward and backward (a custom VJP: dx and dW are tile loops too).
+  tiled       everywhere else: loops over each group's rows in tiles, each multiplied by
+              that group's weights alone, forward and backward (a custom VJP: dx and dW
+              are tile loops too). FLOPs are those of the M rows plus under one small
+              tile of padding per group.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,41 +28,27 @@ from gpt_oss_train import sharding
 
 # ----------------------------------------------------------------------------- tiled
 #
-# Tiles walk the rows in order: group g's tiles start at its first row and step by
-# `block`, so a group's last tile overhangs into the next group's rows (or past the end).
-# Overhanging rows are masked to zero on input, so they contribute nothing to dW and
-# write zeros, which the next group's own tiles (later in the loop) overwrite.
+# A loop over the groups that have rows; inside, a loop over the group's rows in full
+# tiles of `big` rows, then tiles of `small` rows for the rest. The group's weight is
+# sliced (and cast, or dequantized) once per group, dW accumulates in a [K, N] carry
+# written once per group. The last small tile overhangs into the next group's rows (or
+# past the end): those rows are masked to zero on input, so they add nothing to dW and
+# write zeros that the next group's own tiles, later in the loop, overwrite.
 
 
-def tile_rows(num_rows: int, num_groups: int) -> int:
-    """Rows per tile: about the mean group size (less padding when groups are small),
-    within [8, 128]. On a 2-core Zen 3, XLA's CPU matmul runs 64- to 1024-row products
-    at the same FLOP rate, so small tiles cost little; under 32 rows it falls off."""
+class Tiles(NamedTuple):
+    big: int  # rows of the full tiles
+    small: int  # rows of the tiles that cover the rest (padding < small rows per group)
+
+
+def tile_rows(num_rows: int, num_groups: int) -> Tiles:
+    """Tiles for `num_rows` rows over `num_groups` groups: big tiles about the mean group
+    size, within [8, 128]; small ones a quarter of that (at least 8). On a 2-core Zen 3,
+    XLA's CPU matmul runs 64- to 1024-row products at about the same FLOP rate and
+    falls off under 32 rows, while each tile costs a loop step."""
     mean = max(1, num_rows // max(1, num_groups))
-    return int(min(128, max(8, 1 << (mean - 1).bit_length())))
-
-
-def _schedule(group_sizes, block: int, num_rows: int):
-    """Per tile (static upper bound on their number): its group, first row and the end
-    of its group's rows; and how many tiles are used."""
-    num_groups = group_sizes.shape[0]
-    num_tiles = -(-num_rows // block) + min(num_groups, num_rows)
-    sizes = group_sizes.astype(jnp.int32)
-    tiles_per_group = (sizes + block - 1) // block
-    tile_end = jnp.cumsum(tiles_per_group)
-    row_end = jnp.cumsum(sizes)
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), num_groups - 1)
-    first = row_end[group] - sizes[group] + (t - (tile_end[group] - tiles_per_group[group])) * block
-    return group, first, row_end[group], tile_end[-1]
-
-
-def _tile(a_mk, first, end, block: int):
-    """Rows [first, first + block) of a (zero-padded by `block` rows), those at or past
-    `end` zeroed."""
-    rows = jax.lax.dynamic_slice_in_dim(a_mk, first, block, axis=0)
-    keep = first + jnp.arange(block) < end
-    return jnp.where(keep[:, None], rows, jnp.zeros_like(rows))
+    big = int(min(128, max(8, 1 << (mean - 1).bit_length())))
+    return Tiles(big, max(8, big // 4))
 
 
 def _acc(dtype):
@@ -69,67 +56,109 @@ def _acc(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _pad(a_mk, block: int):
-    return jnp.pad(a_mk, ((0, block), (0, 0)))
+def _groups(group_sizes):
+    """Per group: size, first row, end row; the groups with rows (first `count` of
+    `used`, in order)."""
+    sizes = group_sizes.astype(jnp.int32)
+    end = jnp.cumsum(sizes)
+    (used,) = jnp.nonzero(sizes > 0, size=sizes.shape[0], fill_value=0)
+    return sizes, end - sizes, end, used, jnp.sum(sizes > 0)
 
 
-def _weight(w, g, dtype):
-    """Group g's [K, N] weight in the compute dtype. An int8 QArray is sliced first and
-    dequantized per tile, so only the chosen groups' int8 bytes are read."""
-    return w[g].astype(dtype)
+def _rows(a_mk, first, rows: int, end):
+    """a[first : first + rows] (a is zero-padded at the end), rows at or past `end`
+    zeroed (end=None: a full tile, nothing to mask)."""
+    tile = jax.lax.dynamic_slice_in_dim(a_mk, first, rows, axis=0)
+    if end is None:
+        return tile
+    keep = first + jnp.arange(rows) < end
+    return jnp.where(keep[:, None], tile, jnp.zeros_like(tile))
 
 
-def _tiled_forward(x, w, group_sizes, block):
+def _over_tiles(tiles: Tiles, start, size, body, carry):
+    """carry = body(carry, first_row, rows, end) over one group's rows
+    [start, start + size): full `big` tiles (end=None), then `small` ones."""
+    full = size // tiles.big
+    carry = jax.lax.fori_loop(
+        0, full, lambda j, c: body(c, start + j * tiles.big, tiles.big, None), carry
+    )
+    rest = start + full * tiles.big
+    count = (start + size - rest + tiles.small - 1) // tiles.small
+    return jax.lax.fori_loop(
+        0, count, lambda j, c: body(c, rest + j * tiles.small, tiles.small, start + size), carry
+    )
+
+
+def _pad(a_mk, tiles: Tiles):
+    return jnp.pad(a_mk, ((0, tiles.small), (0, 0)))
+
+
+def _tiled_forward(x, w, group_sizes, tiles: Tiles):
     m, n = x.shape[0], w.shape[2]
-    group, first, end, count = _schedule(group_sizes, block, m)
-    xp = _pad(x, block)
+    sizes, starts, _, used, count = _groups(group_sizes)
+    xp, acc = _pad(x, tiles), _acc(x.dtype)
 
-    def body(i, y):
-        xb = _tile(xp, first[i], end[i], block)
-        yb = jnp.dot(xb, _weight(w, group[i], x.dtype), preferred_element_type=_acc(x.dtype))
-        return jax.lax.dynamic_update_slice_in_dim(y, yb, first[i], axis=0)
+    def per_group(i, y):
+        g = used[i]
+        # An int8 QArray is sliced, then dequantized: only chosen groups' bytes are read.
+        w_kn = w[g].astype(x.dtype)
 
-    y = jax.lax.fori_loop(0, count, body, jnp.zeros((m + block, n), _acc(x.dtype)))
+        def tile(y, first, rows, end):
+            y_tile = jnp.dot(_rows(xp, first, rows, end), w_kn, preferred_element_type=acc)
+            return jax.lax.dynamic_update_slice_in_dim(y, y_tile, first, axis=0)
+
+        return _over_tiles(tiles, starts[g], sizes[g], tile, y)
+
+    y = jax.lax.fori_loop(0, count, per_group, jnp.zeros((m + tiles.small, n), acc))
     return y[:m]
 
 
+def tiled_grouped_matmul(x, w, group_sizes, tiles: Tiles):
+    """[M, K] x [G, K, N] -> [M, N] (float32 or wider), tile by tile (see above)."""
+    big = max(1, min(tiles.big, x.shape[0]))  # no tile longer than the rows
+    return _tiled(x, w, group_sizes, Tiles(big, max(1, min(tiles.small, big))))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def tiled_grouped_matmul(x, w, group_sizes, block: int):
-    """[M, K] x [G, K, N] -> [M, N] (float32 or wider) by tiles of `block` rows."""
-    return _tiled_forward(x, w, group_sizes, block)
+def _tiled(x, w, group_sizes, tiles: Tiles):
+    return _tiled_forward(x, w, group_sizes, tiles)
 
 
-def _tiled_fwd(x, w, group_sizes, block):
-    return _tiled_forward(x, w, group_sizes, block), (x, w, group_sizes)
+def _tiled_fwd(x, w, group_sizes, tiles):
+    return _tiled_forward(x, w, group_sizes, tiles), (x, w, group_sizes)
 
 
-def _tiled_bwd(block, res, dy):
-    """One loop over the same tiles: dx tile = dy tile @ w[g]^T; dW[g] += x tile^T dy tile."""
+def _tiled_bwd(tiles, res, dy):
+    """The same loops: dx tile = dy tile @ w[g]^T; dW[g] = sum over its tiles of
+    x tile^T dy tile."""
     x, w, group_sizes = res
     m, k = x.shape
-    group, first, end, count = _schedule(group_sizes, block, m)
-    xp, dyp = _pad(x, block), _pad(dy.astype(x.dtype), block)
-    f32 = _acc(x.dtype)
+    sizes, starts, _, used, count = _groups(group_sizes)
+    xp, dyp, acc = _pad(x, tiles), _pad(dy.astype(x.dtype), tiles), _acc(x.dtype)
 
-    def body(i, carry):
+    def per_group(i, carry):
         dx, dw = carry
-        g = group[i]
-        xb = _tile(xp, first[i], end[i], block)
-        dyb = _tile(dyp, first[i], end[i], block)
-        dxb = jax.lax.dot_general(
-            dyb, _weight(w, g, x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=f32
-        )
-        dwg = jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=f32)
-        dx = jax.lax.dynamic_update_slice_in_dim(dx, dxb, first[i], axis=0)
-        dw = jax.lax.dynamic_update_index_in_dim(dw, dw[g] + dwg, g, axis=0)
-        return dx, dw
+        g = used[i]
+        w_nk = jnp.transpose(w[g].astype(x.dtype))  # once per group, not per tile
 
-    init = (jnp.zeros((m + block, k), f32), jnp.zeros(w.shape, f32))
-    dx, dw = jax.lax.fori_loop(0, count, body, init)
+        def tile(c, first, rows, end):
+            dx, dw_kn = c
+            x_tile, dy_tile = _rows(xp, first, rows, end), _rows(dyp, first, rows, end)
+            dx_tile = jnp.dot(dy_tile, w_nk, preferred_element_type=acc)
+            dw_kn += jax.lax.dot_general(
+                x_tile, dy_tile, (((0,), (0,)), ((), ())), preferred_element_type=acc
+            )
+            return jax.lax.dynamic_update_slice_in_dim(dx, dx_tile, first, axis=0), dw_kn
+
+        dx, dw_kn = _over_tiles(tiles, starts[g], sizes[g], tile, (dx, jnp.zeros(w.shape[1:], acc)))
+        return dx, jax.lax.dynamic_update_index_in_dim(dw, dw_kn, g, axis=0)
+
+    init = (jnp.zeros((m + tiles.small, k), acc), jnp.zeros(w.shape, acc))
+    dx, dw = jax.lax.fori_loop(0, count, per_group, init)
     return dx[:m].astype(x.dtype), dw.astype(w.dtype), None
 
 
-tiled_grouped_matmul.defvjp(_tiled_fwd, _tiled_bwd)
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
 # ----------------------------------------------------------------------------- mosaic

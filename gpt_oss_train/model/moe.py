@@ -84,8 +84,10 @@ def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, d
     y = jnp.einsum(
         "tef,efd->ted", act.astype(dtype), w.wo.astype(dtype), preferred_element_type=f32
     ) + w.bo.astype(f32)
-    combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(
-        weights_tk.astype(f32)
+    combine = (
+        jnp.zeros((t, num_experts), f32)
+        .at[jnp.arange(t)[:, None], idx_tk]
+        .add(weights_tk.astype(f32))
     )
     return jnp.einsum("te,ted->td", combine, y)
 

@@ -91,31 +91,27 @@ def test_load_balancing_loss_is_k_when_balanced():
     assert float(moe_lib.load_balancing_loss(logits, idx2, valid)) == pytest.approx(2.0)
 
 
-def test_decode_sized_batches_take_the_gathered_path_and_match_reference():
+def test_gathered_path_for_decode_sized_batches_matches_reference():
     x, kernel, bias, w = _moe_inputs(t=3, e=24)  # 4 x 3 tokens x k=2 <= 24 experts
     ref = numpy_moe(x, kernel, bias, w, k=2)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
     ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
-    got = moe_lib.ragged_experts(
-        f32(x), weights, idx, ew, limit=7.0, alpha=1.702, dtype=jnp.float32
-    )
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    # the GPU form (each product padded to a 16-row GEMM) computes the same thing
-    got16 = moe_lib.gathered_ffn(
-        f32(x), weights, idx, ew, limit=7.0, alpha=1.702, dtype=jnp.float32, rows=16
-    )
-    np.testing.assert_allclose(got16, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    # and the int8 weights gather only what they need, still close to the float path
-    from gpt_oss_train.model import quantize
-
+    # a CPU takes the grouped path at every size; accelerators gather at this one
+    assert not moe_lib.use_gathered(3, 2, 24)
+    for rows in (1, 16):  # one row per product (CPU form) or 16 (the GPU's GEMM form)
+        got = moe_lib.gathered_ffn(
+            f32(x), weights, idx, ew, limit=7.0, alpha=1.702, dtype=jnp.float32, rows=rows
+        )
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # int8 weights gather (or slice, in the tiled kernel) only what they need, and stay
+    # close to the float path
     qw = ew._replace(
         wi_gate=quantize.quantize_int8(ew.wi_gate, (1,)), wo=quantize.quantize_int8(ew.wo, (1,))
     )
-    got_q = moe_lib.ragged_experts(
-        f32(x), weights, idx, qw, limit=7.0, alpha=1.702, dtype=jnp.float32
-    )
-    assert 0 < np.abs(got_q - got).max() < 0.05 * np.abs(ref).max()
+    for impl in (moe_lib.gathered_ffn, moe_lib.ragged_experts):
+        got_q = impl(f32(x), weights, idx, qw, limit=7.0, alpha=1.702, dtype=jnp.float32)
+        assert 0 < np.abs(got_q - ref).max() < 0.05 * np.abs(ref).max()
 
 
 # ----------------------------------------------------------------------------- grouped matmul

@@ -16,7 +16,7 @@ Back-ends (config.moe_impl), all exact, differing in cost and sharding:
            platform's fastest kernel (grouped_matmul.py: tiles on CPUs and GPUs, the
            native ragged dot on TPUs, Mosaic on Hopper): FLOPs of the active experts
            only, forward and backward. Decode-sized batches on accelerators gather the
-           chosen experts' weights instead.
+           chosen experts' weights instead (`use_gathered`).
   sharded  `ragged` inside `shard_map` with expert parallelism: each device holds
            E/expert experts (and a slice of the hidden dim over `tensor`), computes the
            pairs routed to its experts for the tokens of its `expert` group, and the
@@ -143,11 +143,14 @@ def gathered_ffn(
 
 
 def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
-    """Whether a batch is decode-sized enough for `gathered_ffn` (tokens x k <= experts/4):
-    gathering copies each chosen expert, so it only pays while few experts are chosen in
-    total (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms at batch 8 where grouped
-    matmuls read each expert once)."""
-    return 4 * tokens * k <= num_experts
+    """Whether a batch is decode-sized enough for `gathered_ffn`: on accelerators, while
+    tokens x k <= experts / 4. Gathering copies each chosen expert, so it only pays while
+    few experts are chosen in total (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms
+    at batch 8 where grouped matmuls read each expert once). On a CPU the tiled grouped
+    matmul, which also reads only the chosen experts, is faster at every batch size
+    (2-core Zen 3, 32 experts of 768 x 768: 6-8 against 10 ms at 1 token, 2-3x at 2-16;
+    tools/moe_benchmark.py --mode=decode)."""
+    return sharding.platform() != "cpu" and 4 * tokens * k <= num_experts
 
 
 def grouped_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):

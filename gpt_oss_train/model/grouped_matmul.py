@@ -57,12 +57,11 @@ def _acc(dtype):
 
 
 def _groups(group_sizes):
-    """Per group: size, first row, end row; the groups with rows (first `count` of
-    `used`, in order)."""
+    """Per group: size and first row; the groups with rows (the first `count` of `used`,
+    in order)."""
     sizes = group_sizes.astype(jnp.int32)
-    end = jnp.cumsum(sizes)
     (used,) = jnp.nonzero(sizes > 0, size=sizes.shape[0], fill_value=0)
-    return sizes, end - sizes, end, used, jnp.sum(sizes > 0)
+    return sizes, jnp.cumsum(sizes) - sizes, used, jnp.sum(sizes > 0)
 
 
 def _rows(a_mk, first, rows: int, end):
@@ -95,7 +94,7 @@ def _pad(a_mk, tiles: Tiles):
 
 def _tiled_forward(x, w, group_sizes, tiles: Tiles):
     m, n = x.shape[0], w.shape[2]
-    sizes, starts, _, used, count = _groups(group_sizes)
+    sizes, starts, used, count = _groups(group_sizes)
     xp, acc = _pad(x, tiles), _acc(x.dtype)
 
     def per_group(i, y):
@@ -130,10 +129,10 @@ def _tiled_fwd(x, w, group_sizes, tiles):
 
 def _tiled_bwd(tiles, res, dy):
     """The same loops: dx tile = dy tile @ w[g]^T; dW[g] = sum over its tiles of
-    x tile^T dy tile."""
+    x tile^T dy tile. Masking dy's overhanging rows keeps them out of both."""
     x, w, group_sizes = res
     m, k = x.shape
-    sizes, starts, _, used, count = _groups(group_sizes)
+    sizes, starts, used, count = _groups(group_sizes)
     xp, dyp, acc = _pad(x, tiles), _pad(dy.astype(x.dtype), tiles), _acc(x.dtype)
 
     def per_group(i, carry):
@@ -143,7 +142,7 @@ def _tiled_bwd(tiles, res, dy):
 
         def tile(c, first, rows, end):
             dx, dw_kn = c
-            x_tile, dy_tile = _rows(xp, first, rows, end), _rows(dyp, first, rows, end)
+            x_tile, dy_tile = _rows(xp, first, rows, None), _rows(dyp, first, rows, end)
             dx_tile = jnp.dot(dy_tile, w_nk, preferred_element_type=acc)
             dw_kn += jax.lax.dot_general(
                 x_tile, dy_tile, (((0,), (0,)), ((), ())), preferred_element_type=acc

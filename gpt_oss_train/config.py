@@ -19,6 +19,7 @@ from typing import Any
 
 import ml_collections
 
+from gpt_oss_train import runtime as runtime_lib
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.model import architecture, remat
 from gpt_oss_train.model import attention as attention_lib
@@ -57,6 +58,9 @@ REMAT_POLICIES = tuple(remat.POLICIES)
 ATTENTION_IMPLS = tuple(attention_lib.IMPLS)
 MOE_IMPLS = tuple(moe_lib.EXPERT_IMPLS)
 DTYPES = ("float32", "bfloat16", "float16")
+# config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
+# float32 elsewhere (runtime.resolve_dtype, decided on the machine that runs).
+COMPUTE_DTYPES = ("auto",) + DTYPES
 
 
 def model_preset(name: str) -> ml_collections.ConfigDict:
@@ -72,7 +76,7 @@ def default_config() -> ml_collections.ConfigDict:
 
     # How to compute: parameters stored in param_dtype, matmuls in dtype; norms, softmax,
     # router, RoPE angles and the loss always run in float32.
-    c.dtype = "bfloat16"
+    c.dtype = "auto"  # one of COMPUTE_DTYPES
     c.param_dtype = "float32"
     c.scan_layers = True  # lax.scan over 2-layer (banded, full) blocks
     c.remat_policy = "full"  # one of REMAT_POLICIES
@@ -189,6 +193,7 @@ class ModelConfig:
         arch = model_arch(config) if arch is None else arch
         # The other fields are the config's top-level settings of the same names.
         runtime = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+        runtime["dtype"] = runtime_lib.resolve_dtype(config.dtype)
         return cls(**arch, **runtime)
 
     def replace(self, **kw) -> "ModelConfig":
@@ -214,7 +219,9 @@ def validate(config: ml_collections.ConfigDict):
                 f"{section}.{k}",
                 f"unknown field; valid fields are {sorted(defaults.keys())}",
             )
-    _check(config.dtype in DTYPES, "dtype", f"{config.dtype!r} is not one of {DTYPES}")
+    _check(
+        config.dtype in COMPUTE_DTYPES, "dtype", f"{config.dtype!r} is not one of {COMPUTE_DTYPES}"
+    )
     _check(
         config.param_dtype in DTYPES,
         "param_dtype",

@@ -60,7 +60,7 @@ import sys
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, logs
+from gpt_oss_train import errors, logs, runtime
 from gpt_oss_train.inference import engine, requests
 from gpt_oss_train.inference.engine import DecodeError, Options
 from gpt_oss_train.inference.generate import SamplingParams
@@ -100,7 +100,8 @@ def _define_flags():
         None,
         ["float32", "bfloat16"],
         "Compute dtype (default: the "
-        "config's, bfloat16 without --config). Parameters stay float32.",
+        "config's; without --config bfloat16 where the hardware has fast bfloat16 "
+        "matmuls, else float32). Parameters stay float32.",
     )
     flags.DEFINE_integer("max_new_tokens", 256, "Most tokens generated per request.")
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
@@ -297,6 +298,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logs.quiet_library_logs()
+    runtime.setup_compilation_cache()
     try:
         return _run(flags.FLAGS)
     except errors.UserError as e:

@@ -27,7 +27,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import errors, hardware, logs
+from gpt_oss_train import errors, hardware, logs, runtime
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.model import architecture
 from gpt_oss_train.sharding import initialize_distributed
@@ -222,6 +222,7 @@ def train(config, workdir: str, devices=None) -> dict:
 def main(argv):
     del argv
     logs.quiet_library_logs()
+    runtime.setup_compilation_cache()
     initialize_distributed()
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required: where checkpoints and metrics go")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train.model import moe
+from gpt_oss_train.model import grouped_matmul
 
 pytestmark = pytest.mark.skipif(
     jax.devices()[0].platform != "gpu"
@@ -24,9 +24,9 @@ def test_mosaic_grouped_matmul_matches_ragged_dot():
     x = jax.random.normal(kx, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (g, k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
     gs = jnp.bincount(jax.random.randint(kg, (m,), 0, g), length=g).astype(jnp.int32)
-    assert moe._use_mgpu(x, w)
+    assert grouped_matmul.use_mosaic(x, w)
     ref = lambda x, w: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
-    new = lambda x, w: moe.grouped_matmul(x, w, gs)
+    new = lambda x, w: grouped_matmul.grouped_matmul(x, w, gs)
     r, o = jax.jit(ref)(x, w), jax.jit(new)(x, w)
     assert float(jnp.abs(r - o).max()) <= 4 * 2**-8 * float(jnp.abs(r).max())
     objective = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), (0, 1)))

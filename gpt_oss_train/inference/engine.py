@@ -154,7 +154,7 @@ def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devi
     devices = jax.local_devices() if devices is None else devices
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
     logging.info(
-        "Loading %s model %s: compute %s, mesh %s", kind, path, config.dtype, dict(mesh.shape)
+        "Loading %s model %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
     )
     model = LoadedModel(md, read_params(md, mesh, rules), mesh, rules, kind, path, config)
     if int8_weights:

@@ -12,9 +12,11 @@ and the token's output is sum_k w_k y_k.
 Back-ends (config.moe_impl), all exact, differing in cost and sharding:
   dense    every expert on every token, then weighted: E/k times the FLOPs. The
            obviously-correct reference, for tests and tiny models.
-  ragged   sort the (token, expert) pairs by expert and run grouped matmuls
-           (`jax.lax.ragged_dot`, or JAX's Mosaic GPU kernel on Hopper): FLOPs of the
-           active experts only. Decode-sized batches gather the chosen experts' weights.
+  ragged   sort the (token, expert) pairs by expert and run grouped matmuls with the
+           platform's fastest kernel (grouped_matmul.py: tiles on CPUs and GPUs, the
+           native ragged dot on TPUs, Mosaic on Hopper): FLOPs of the active experts
+           only, forward and backward. Decode-sized batches on accelerators gather the
+           chosen experts' weights instead (`use_gathered`).
   sharded  `ragged` inside `shard_map` with expert parallelism: each device holds
            E/expert experts (and a slice of the hidden dim over `tensor`), computes the
            pairs routed to its experts for the tokens of its `expert` group, and the
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
 
 class ExpertWeights(NamedTuple):
@@ -74,14 +77,18 @@ def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, d
     t = x_td.shape[0]
     num_experts = w.wi_gate.shape[0]
     x = x_td.astype(dtype)
-    f32 = jnp.float32
+    f32 = jnp.promote_types(dtype, jnp.float32)  # float64 when the reference runs in it
     gate = jnp.einsum("td,edf->tef", x, w.wi_gate.astype(dtype), preferred_element_type=f32)
     up = jnp.einsum("td,edf->tef", x, w.wi_up.astype(dtype), preferred_element_type=f32)
     act = _glu(gate + w.bi_gate.astype(f32), up + w.bi_up.astype(f32), limit, alpha)
     y = jnp.einsum(
         "tef,efd->ted", act.astype(dtype), w.wo.astype(dtype), preferred_element_type=f32
     ) + w.bo.astype(f32)
-    combine = jnp.zeros((t, num_experts), f32).at[jnp.arange(t)[:, None], idx_tk].add(weights_tk)
+    combine = (
+        jnp.zeros((t, num_experts), f32)
+        .at[jnp.arange(t)[:, None], idx_tk]
+        .add(weights_tk.astype(f32))
+    )
     return jnp.einsum("te,ted->td", combine, y)
 
 
@@ -92,11 +99,11 @@ def _grouped_ffn(
     sum(group_sizes) (if any) come out as zeros."""
     f32 = jnp.float32
     x = x_rd.astype(dtype)
-    gate = grouped_matmul(x, w.wi_gate.astype(dtype), group_sizes)
-    up = grouped_matmul(x, w.wi_up.astype(dtype), group_sizes)
+    gate = grouped_matmul(x, w.wi_gate, group_sizes)
+    up = grouped_matmul(x, w.wi_up, group_sizes)
     e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
     act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
-    y = grouped_matmul(act.astype(dtype), w.wo.astype(dtype), group_sizes)
+    y = grouped_matmul(act.astype(dtype), w.wo, group_sizes)
     if add_out_bias:
         y = y + w.bo.astype(f32)[e]
     return y
@@ -135,98 +142,21 @@ def gathered_ffn(
     return jnp.einsum("tk,tkd->td", weights_tk, y.reshape(t, k, -1))
 
 
-# ----------------------------------------------------------------------------- grouped matmul
-#
-# `jax.lax.ragged_dot` is exact everywhere, but XLA's GPU lowering expands it to a dense
-# product per group (it allocated 135 GiB for one 2-layer gpt-oss-20b step on an H200).
-# On Hopper we use JAX's Mosaic GPU ragged-dot kernels instead, with a custom VJP:
-#   y  = ragged_dot(x, w)            [M,K] x [G,K,N] -> [M,N]
-#   dx = ragged_dot(dy, w^T)         (the same kernel, rhs transposed)
-#   dw = transposed_ragged_dot(x, dy) -> [G,K,N]  (groups along the contraction)
-# Tiles must divide the dimensions (gpt-oss: 2880 = 45 x 64); other shapes, dtypes and
-# platforms use lax.ragged_dot.
-
-_BLOCK_K = 64
+def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
+    """Whether a batch is decode-sized enough for `gathered_ffn`: on accelerators, while
+    tokens x k <= experts / 4. Gathering copies each chosen expert, so it only pays while
+    few experts are chosen in total (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms
+    at batch 8 where grouped matmuls read each expert once). On a CPU the tiled grouped
+    matmul, which also reads only the chosen experts, is faster at every batch size
+    (2-core Zen 3, 32 experts of 768 x 768: 6-8 against 10 ms at 1 token, 2-3x at 2-16;
+    tools/moe_benchmark.py --mode=decode)."""
+    return sharding.platform() != "cpu" and 4 * tokens * k <= num_experts
 
 
-def _mgpu_tiles(k: int, n: int) -> dict | None:
-    for block_n in (192, 128, 64):
-        if n % block_n == 0 and k % _BLOCK_K == 0:
-            return dict(
-                block_m=128,
-                block_n=block_n,
-                block_k=_BLOCK_K,
-                max_concurrent_steps=3,
-                grid_block_n=1,
-            )
-    return None
-
-
-def _use_mgpu(x, w) -> bool:
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        return False
-    dev = sharding.device()
-    if dev.platform != "gpu" or not str(getattr(dev, "compute_capability", "")).startswith("9"):
-        return False
-    k, n = w.shape[1], w.shape[2]
-    return _mgpu_tiles(k, n) is not None and _mgpu_tiles(n, k) is not None and k % 64 == 0
-
-
-@jax.custom_vjp
-def _mgpu_grouped_matmul(x, w, group_sizes):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=group_sizes, **_mgpu_tiles(w.shape[1], w.shape[2])
-    )
-
-
-def _mgpu_fwd(x, w, group_sizes):
-    return _mgpu_grouped_matmul(x, w, group_sizes), (x, w, group_sizes)
-
-
-def _mgpu_bwd(res, dy):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    x, w, group_sizes = res
-    dy = dy.astype(x.dtype)
-    dx = ragged_dot_mgpu.ragged_dot(
-        dy, w, group_sizes=group_sizes, transpose_rhs=True, **_mgpu_tiles(w.shape[2], w.shape[1])
-    )
-    k, n = w.shape[1], w.shape[2]
-    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        x,
-        dy,
-        group_sizes=group_sizes,
-        block_m=64,
-        block_n=_mgpu_tiles(k, n)["block_n"],
-        block_k=_BLOCK_K,
-        max_concurrent_steps=3,
-        grid_block_n=1,
-    )
-    return dx, dw.astype(w.dtype), None
-
-
-_mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
-
-
-def grouped_matmul(x, w, group_sizes):
-    """[M, K] x [G, K, N] -> float32 [M, N]; rows grouped contiguously by group_sizes."""
-    if _use_mgpu(x, w):
-        return _mgpu_grouped_matmul(x, w, group_sizes).astype(jnp.float32)
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-
-
-def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-    """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum.
-    Decode-sized batches (t*k <= experts/4) take the gathered path instead: gathering
-    copies each chosen expert, so it only pays while few experts are chosen in total
-    (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms at batch 8 where grouped
-    matmuls read each expert once)."""
+def grouped_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum."""
     t, k = idx_tk.shape
     num_experts = w.wi_gate.shape[0]
-    if 4 * t * k <= num_experts:
-        return gathered_ffn(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
     flat = idx_tk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
@@ -235,6 +165,14 @@ def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, 
     )
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
     return jnp.einsum("tk,tkd->td", weights_tk, y)
+
+
+def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """Dropless MoE at the cost of the experts used: `grouped_experts`, or `gathered_ffn`
+    for decode-sized batches (`use_gathered`)."""
+    t, k = idx_tk.shape
+    impl = gathered_ffn if use_gathered(t, k, w.wi_gate.shape[0]) else grouped_experts
+    return impl(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
 
 
 def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):

@@ -1,0 +1,81 @@
+"""What this machine can do, and the process-wide JAX setup that follows from it.
+
+fast_bfloat16(platform)   does the hardware multiply bfloat16 natively?
+resolve_dtype(name)       config.dtype "auto" -> "bfloat16" or "float32" for this machine
+setup_compilation_cache() JAX's persistent compilation cache, on by default, so a
+                          second run of the same command skips compiling
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+from absl import logging
+
+# x86 CPU flags (Linux /proc/cpuinfo) of native bfloat16 matmul units: AMX tiles (Intel
+# Sapphire Rapids and later) and AVX512-BF16 (Cooper Lake, AMD Zen 4 and later). Without
+# them XLA converts bfloat16 to float32 around every product: slower than float32.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+CACHE_ENV = "GPT_OSS_TRAIN_COMPILATION_CACHE"
+CACHE_OFF = ("", "off", "0", "false", "none")
+
+
+@functools.cache
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo does not exist)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def fast_bfloat16(platform: str | None = None, flags: frozenset[str] | None = None) -> bool:
+    """True on GPUs and TPUs, and on CPUs with AMX or AVX512-BF16 (`flags`: the CPU's,
+    default read from /proc/cpuinfo)."""
+    platform = platform or jax.devices()[0].platform
+    if platform != "cpu":
+        return True
+    return any(f in (cpu_flags() if flags is None else flags) for f in BF16_CPU_FLAGS)
+
+
+def resolve_dtype(name: str, platform: str | None = None) -> str:
+    """A config dtype with "auto" replaced by this machine's fastest matmul dtype."""
+    if name != "auto":
+        return name
+    return "bfloat16" if fast_bfloat16(platform) else "float32"
+
+
+def compilation_cache_dir() -> str | None:
+    """$GPT_OSS_TRAIN_COMPILATION_CACHE if set ("" or "off": no cache), else
+    $XDG_CACHE_HOME/gpt_oss_train/jax (~/.cache/gpt_oss_train/jax)."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in CACHE_OFF else os.path.expanduser(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gpt_oss_train", "jax")
+
+
+def setup_compilation_cache() -> str | None:
+    """Points JAX's persistent compilation cache at compilation_cache_dir(), unless the
+    user configured one already (JAX_COMPILATION_CACHE_DIR). Returns the folder in use."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = compilation_cache_dir()
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a read-only home: run without the cache rather than fail
+        logging.warning("compilation cache disabled: cannot create %s (%s)", path, e)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Cache every program that took a moment to compile (JAX's default is 1 s).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path

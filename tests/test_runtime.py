@@ -1,0 +1,80 @@
+"""runtime.py: the per-machine dtype choice and the compilation cache's folder."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 amx_tile\nbugs\t: x\n")
+    assert {"avx2", "amx_bf16"} <= runtime.cpu_flags(str(info))
+    assert runtime.cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.mark.parametrize(
+    "platform,flags,want",
+    [
+        ("cpu", {"avx2", "fma"}, "float32"),  # Zen 3, older Xeons: no bf16 units
+        ("cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # Zen 4, Cooper Lake
+        ("cpu", {"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),  # Sapphire Rapids
+        ("gpu", set(), "bfloat16"),
+        ("tpu", set(), "bfloat16"),
+    ],
+)
+def test_auto_dtype_is_bfloat16_only_with_native_bfloat16_matmuls(platform, flags, want):
+    fast = runtime.fast_bfloat16(platform, frozenset(flags))
+    assert ("bfloat16" if fast else "float32") == want
+
+
+def test_explicit_dtypes_win_and_model_configs_get_a_concrete_one():
+    assert runtime.resolve_dtype("float32", "tpu") == "float32"
+    assert runtime.resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    assert runtime.resolve_dtype("auto", "tpu") == "bfloat16"
+    c = config_lib.default_config()
+    assert c.dtype == "auto"
+    config_lib.validate(c)
+    here = "bfloat16" if runtime.fast_bfloat16() else "float32"
+    assert config_lib.ModelConfig.from_config(c).dtype == here
+    c.dtype = "bf16"
+    with pytest.raises(config_lib.ConfigError, match="config.dtype"):
+        config_lib.validate(c)
+
+
+def test_compilation_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv(runtime.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert runtime.compilation_cache_dir() == str(tmp_path / "gpt_oss_train" / "jax")
+    monkeypatch.setenv(runtime.CACHE_ENV, "off")
+    assert runtime.compilation_cache_dir() is None
+    monkeypatch.setenv(runtime.CACHE_ENV, "")
+    assert runtime.compilation_cache_dir() is None
+    monkeypatch.setenv(runtime.CACHE_ENV, str(tmp_path / "mine"))
+    assert runtime.compilation_cache_dir() == str(tmp_path / "mine")
+
+
+def test_compiled_programs_land_in_the_cache(tmp_path):
+    """A fresh process that sets the cache up writes what it compiles there."""
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from gpt_oss_train import runtime\n"
+        "print(runtime.setup_compilation_cache())\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+        "jax.jit(lambda x: jnp.sin(x) @ x)(jnp.ones((4, 4))).block_until_ready()\n"
+    )
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{runtime.CACHE_ENV: str(cache)})
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == str(cache)
+    assert any(cache.iterdir())

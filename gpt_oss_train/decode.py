@@ -192,7 +192,10 @@ def _check_flags(f) -> Options:
 
 
 def _write_jsonl(records: list[dict], path: str | None):
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    text = "".join(
+        json.dumps(requests.json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
+        for r in records
+    )
     if path:
         with open(path, "w", encoding="utf-8") as out:
             out.write(text)
@@ -253,7 +256,7 @@ def _score_data(model, f) -> int:
     )
     if f.output:
         with open(f.output, "w") as out:
-            json.dump(result, out)
+            json.dump(requests.json_safe(result), out, allow_nan=False)
     return 0
 
 

@@ -38,6 +38,8 @@ import grain
 import numpy as np
 from absl import logging
 
+from gpt_oss_train.errors import UserError, json_error
+
 TEXT_SUFFIXES = frozenset(
     ".txt .text .md .markdown .rst .tex .py .pyi .c .h .cc .cpp .hpp .java .js .ts .go "
     ".rs .rb .sh .html .css .toml .yaml .yml .cfg .ini .csv".split()
@@ -48,7 +50,7 @@ META_FORMAT = "gpt_oss_train/pretokenized-v1"
 TOKENIZER_NAME = "o200k_harmony"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A problem with the user's data or data spec, found before training starts."""
 
 
@@ -167,9 +169,7 @@ class JsonlFiles:
                     try:
                         obj = json.loads(text)
                     except json.JSONDecodeError as e:
-                        raise DataError(
-                            f"{where}: not valid JSON ({e.msg} at column {e.colno})"
-                        ) from None
+                        raise DataError(f"{where}: {json_error(e)}") from None
                     self._nonempty += self._check(obj, where, chat_only)
                     file_idx.append(f_i)
                     offsets.append(start)

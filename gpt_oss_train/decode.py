@@ -76,9 +76,7 @@ def get_config():
 def _define_flags():
     """Defined when run as a program only, so tests can import this module beside
     gpt_oss_train.train (which defines its own --config)."""
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file(
+    errors.define_config_flag(
         "config",
         os.path.abspath(__file__),
         "Runtime config (mesh, dtype, moe_impl, attention_impl, ...); the architecture "
@@ -308,4 +306,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

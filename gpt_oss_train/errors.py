@@ -26,10 +26,55 @@ class RunStopped(RuntimeError):
     """A training run stopped itself so that no finished work is lost; one-line message."""
 
 
-def report(e: UserError | RunStopped) -> int:
-    """Prints the one-line message for an entry point and returns its exit status."""
+def report(e: Exception) -> int:
+    """Prints the one-line message for an entry point and returns its exit status: 1 for a
+    stopped run, 2 for a user error (an OSError on a path the user gave, too)."""
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2 if isinstance(e, UserError) else 1
+    return 1 if isinstance(e, RunStopped) else 2
+
+
+def override_error(argv: list[str], e: Exception) -> UserError:
+    """The one-line error for a bad `--config.a.b=v` override. ml_collections raises
+    AttributeError/KeyError with a 'did you mean' note, deep in flag parsing (a 55-line
+    traceback), or when the default config is defined, at import."""
+    while e.args and isinstance(e.args[0], BaseException):
+        e = e.args[0]
+    text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(e).__name__]
+    field, hint = lines[0].strip("'\""), " ".join(lines[1:])
+    flag = next(
+        (a for a in argv[1:] if a.startswith("--config.") and field in a.split("=")[0]),
+        "a --config override",
+    )
+    message = f"{flag}: no config field {field!r}"
+    return UserError(message + (f"; {hint[0].lower()}{hint[1:]}" if hint else ""))
+
+
+_OVERRIDE_ERRORS = (AttributeError, KeyError, TypeError, ValueError)
+
+
+def define_config_flag(name: str, default: str, help_text: str):
+    """config_flags.DEFINE_config_file, with a bad override applied to the default config
+    right here reported in one line (exit 2)."""
+    from ml_collections import config_flags
+
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_text)
+    except _OVERRIDE_ERRORS as e:
+        sys.exit(report(override_error(sys.argv, e)))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with a bad flag
+    reported in one line, exit 2 (see override_error)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(report(UserError(str(e).splitlines()[0])))
+    except _OVERRIDE_ERRORS as e:
+        sys.exit(report(override_error(argv, e)))
 
 
 def json_error(e: json.JSONDecodeError) -> str:

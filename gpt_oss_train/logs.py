@@ -33,9 +33,20 @@ class _LibraryFilter:
         return not any(part in record.pathname for part in self._NOISY)
 
 
+def _closed_loop_noise(unraisable) -> bool:
+    """When a checkpoint save fails, Orbax closes its asyncio loop while TensorStore still
+    completes the save's other writes; each completion then tries to wake the closed loop
+    and prints an unraisable 'RuntimeError: Event loop is closed' traceback (dozens per
+    failed save, after the failure itself has been reported)."""
+    e = unraisable.exc_value
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
 def quiet_library_logs() -> None:
     """Keeps absl INFO for this project, warnings and errors for everyone (see
-    _LibraryFilter for the exceptions)."""
+    _LibraryFilter and _closed_loop_noise for the exceptions)."""
+    import sys
+
     from absl import logging
 
     if logging.get_verbosity() >= logging.DEBUG:
@@ -43,6 +54,14 @@ def quiet_library_logs() -> None:
     handler = logging.get_absl_handler()
     if not any(isinstance(f, _LibraryFilter) for f in handler.filters):
         handler.addFilter(_LibraryFilter())
+    previous = sys.unraisablehook
+    if getattr(previous, "__name__", "") != "_quiet_unraisable":
+
+        def _quiet_unraisable(unraisable):
+            if not _closed_loop_noise(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = _quiet_unraisable
 
 
 def conversation_only() -> None:

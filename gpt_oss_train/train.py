@@ -29,7 +29,6 @@ import time
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import errors, hardware, logs
@@ -45,7 +44,7 @@ from gpt_oss_train.training import state as state_lib
 from gpt_oss_train.training.evaluate import evaluate
 from gpt_oss_train.training.metrics import MetricsWriter
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_tiny.py", "Config file.")
+_CONFIG = errors.define_config_flag("config", "configs/cpu_tiny.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
 
 
@@ -410,4 +409,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -14,6 +14,16 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One persistent compilation cache for the session, subprocesses included: many tests build
+# the same tiny train step (several runs of one config, a CLI run and its resume).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="gpt_oss_train_jax_cache.")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
@@ -135,8 +145,10 @@ GCS_TEST_BUCKET = "gpt-oss-train-test"
 def gcs_bucket(tmp_path_factory):
     """gs://<bucket> on a local GCS emulator (tests/gcs_emulator.py), started once per session.
     Its address is put where each client looks: STORAGE_EMULATOR_HOST (gcsfs, which
-    etils.epath uses, and google-cloud-storage; both then go anonymous) and
-    TENSORSTORE_GCS_HTTP_URL (TensorStore, Orbax's array writer). Child processes inherit it."""
+    etils.epath uses, and google-cloud-storage; both then go anonymous),
+    TENSORSTORE_GCS_HTTP_URL (TensorStore, Orbax's array writer) and
+    CLOUD_STORAGE_EMULATOR_ENDPOINT (google-cloud-cpp, which ArrayRecord reads gs:// with).
+    Child processes inherit them."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator.py")
     log = tmp_path_factory.mktemp("gcs_emulator") / "stderr.log"
     with open(log, "w") as stderr:
@@ -154,6 +166,7 @@ def gcs_bucket(tmp_path_factory):
         with pytest.MonkeyPatch.context() as env:
             env.setenv("STORAGE_EMULATOR_HOST", url)
             env.setenv("TENSORSTORE_GCS_HTTP_URL", url)
+            env.setenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", url)  # google-cloud-cpp: ArrayRecord
             # gcsfs's default file system asks the Storage Control API (not emulated) for
             # each bucket's layout; read when gcsfs is first imported.
             env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -151,6 +151,14 @@ def first_line(e: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def innermost(e: BaseException) -> BaseException:
+    """The exception at the bottom of a chain: Orbax wraps TensorStore's error (which
+    names the item folder and the array) in one that does not."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    return e
+
+
 def _agree(problem: str | None) -> str | None:
     """A problem any process found, on every process (restores read different shards)."""
     if jax.process_count() == 1:
@@ -177,7 +185,7 @@ def _newest_that_restores(root: str, steps: list[int], restore_one) -> tuple[int
         except CheckpointError:
             raise
         except Exception as e:  # TensorStore, JSON, grain: whatever a damaged file causes
-            result, problem = None, first_line(e)
+            result, problem = None, first_line(innermost(e))
         problem = _agree(problem)
         if problem is None:
             return step, result
@@ -222,7 +230,7 @@ def load_params(path: str, abstract_params) -> tuple[Any, dict, int]:
                 return restore_one(newest), arch, newest
             except Exception as e:  # shape/structure mismatch or damage: say which
                 raise CheckpointError(
-                    f"{root}/{newest}: could not restore params ({first_line(e)})"
+                    f"{root}/{newest}: could not restore params ({first_line(innermost(e))})"
                 ) from None
         step, params = _newest_that_restores(root, _steps(root), restore_one)
         return params, arch, step
@@ -237,9 +245,7 @@ def _root_cause(e: BaseException) -> str:
     """The innermost cause of a failed save, cut to its last clause: TensorStore's
     'RESOURCE_EXHAUSTED: Error writing ...: Failed to write N bytes: No space left on
     device [os_error_code=28]' becomes 'No space left on device'."""
-    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
-        e = e.__cause__ or e.__context__
-    text = first_line(e, limit=10_000)
+    text = first_line(innermost(e), limit=10_000)
     text = re.sub(r"\s*\[os_error_code=[^\]]*\]", "", text)
     return first_line(ValueError(text.rsplit(": ", 1)[-1] if len(text) > 200 else text))
 
@@ -370,8 +376,11 @@ class TrainCheckpointer:
         for name in storage.listdir(self.directory):
             partial = name.startswith(f"{step}.") and "tmp" in name
             if partial or (name == str(step) and step not in finalized):
-                storage.rmtree(storage.join(self.directory, name), missing_ok=True)
-                logging.info("Removed the partial checkpoint %s", name)
+                try:
+                    storage.rmtree(storage.join(self.directory, name), missing_ok=True)
+                    logging.info("Removed the partial checkpoint %s", name)
+                except OSError as e:
+                    logging.error("Could not remove the partial checkpoint %s: %s", name, e)
 
     # -- restoring --------------------------------------------------------------------
 

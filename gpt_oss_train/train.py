@@ -339,7 +339,7 @@ class _Loop:
         allowed = self.c.checkpoint.max_failed_saves
         if last or self.failed_saves > allowed:
             raise RunStopped(
-                f"{message}. Its partial folder was removed and {_newest(self.r.ckpt)} is "
+                f"{message}. Nothing of that save was kept, and {_newest(self.r.ckpt)} is "
                 "intact; fix the storage, then run the same command to resume"
             )
         logging.error(

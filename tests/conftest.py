@@ -25,6 +25,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Builders shared by several test modules: fixtures, so no test module imports another.
@@ -136,6 +137,66 @@ def mxfp4_reference():
     """(fp4(code) -> float, dequantize(blocks, scales) -> float64 [..., in, out]): MXFP4
     decoded from the OCP spec's bit fields by loops, independent of io/mxfp4.py."""
     return _fp4, _dequant_ref
+
+
+NARROW_MODEL = dict(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16)
+
+
+@pytest.fixture(scope="session")
+def small_config():
+    """factory(**train_overrides) -> configs/cpu_tiny.py narrowed to width 16 (the real
+    201,088-id vocabulary, so real text trains), 4 steps of 8 x 16 tokens, a checkpoint
+    every 2 steps (keep 3), 64 stdlib documents: a step takes well under a second."""
+    from gpt_oss_train import config as config_lib
+
+    def make(**train):
+        c = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
+        c.model.update(NARROW_MODEL)
+        c.train.update(dict(steps=4, seq_len=16, log_every=1, eval_every=0), **train)
+        c.checkpoint.update(every=2, keep=3)
+        c.data.max_docs = 64
+        return c
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def train_cli():
+    """factory(workdir, *overrides) -> (command, env): the user's train command with
+    small_config's model and data settings, on one CPU device."""
+
+    def make(workdir, *overrides):
+        narrow = [f"--config.model.{k}={v}" for k, v in NARROW_MODEL.items()]
+        cmd = [
+            sys.executable, "-m", "gpt_oss_train.train", "--config=configs/cpu_tiny.py",
+            f"--workdir={workdir}", "--config.train.seq_len=16", "--config.train.log_every=1",
+            "--config.train.eval_every=0", "--config.data.max_docs=64", *narrow, *overrides,
+        ]  # fmt: skip
+        return cmd, dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pretokenized_corpus(tmp_path_factory):
+    """A folder written by tools/pretokenize.py from 80 files of Python's standard library
+    (a few hundred thousand tokens), in-process."""
+    import importlib.util
+    import shutil
+
+    from gpt_oss_train.training import sources
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    for i, path in enumerate(sources._stdlib_files()[:80]):
+        shutil.copy(path, corpus / f"{i:03d}.py")
+    spec = importlib.util.spec_from_file_location(
+        "pretokenize", os.path.join(ROOT, "tools", "pretokenize.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path_factory.mktemp("pretokenized") / "stdlib80"
+    tool.pretokenize(str(corpus), str(out), shard_size=30)
+    return str(out)
 
 
 GCS_TEST_BUCKET = "gpt-oss-train-test"

@@ -25,32 +25,10 @@ from gpt_oss_train.training import steps as steps_lib
 from gpt_oss_train.training.metrics import read_metrics_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NARROW = dict(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16)
-
-
-def small_config(**train):
-    """configs/cpu_tiny.py, narrowed: a step takes well under a second on one CPU."""
-    c = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
-    c.model.update(NARROW)
-    c.train.update(dict(steps=4, seq_len=16, log_every=1, eval_every=0), **train)
-    c.checkpoint.update(every=2, keep=3)
-    c.data.max_docs = 64
-    return c
 
 
 def run(config, workdir):
     return train_lib.train(config, str(workdir), devices=jax.devices()[:1])
-
-
-def cli(workdir, *overrides):
-    """The user's train command (small_config's settings) on one CPU device."""
-    narrow = [f"--config.model.{k}={v}" for k, v in NARROW.items()]
-    cmd = [
-        sys.executable, "-m", "gpt_oss_train.train", "--config=configs/cpu_tiny.py",
-        f"--workdir={workdir}", "--config.train.seq_len=16", "--config.train.log_every=1",
-        "--config.train.eval_every=0", "--config.data.max_docs=64", *narrow, *overrides,
-    ]  # fmt: skip
-    return cmd, dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
 
 def digest(path) -> str:
@@ -65,10 +43,10 @@ def digest(path) -> str:
     return h.hexdigest()
 
 
-def params_at(workdir, step):
+def params_at(config, workdir, step):
     """The params of checkpoint `step` (a step folder restores that step only)."""
     arch = ckpt_lib.read_model_config(str(workdir))
-    md = ModelDef(config_lib.ModelConfig.from_config(small_config(), arch))
+    md = ModelDef(config_lib.ModelConfig.from_config(config, arch))
     folder = os.path.join(workdir, "checkpoints", str(step))
     return ckpt_lib.load_params(folder, md.abstract_params())[0]
 
@@ -76,7 +54,7 @@ def params_at(workdir, step):
 # ----------------------------------------------------------------------------- non-finite
 
 
-def test_nonfinite_step_changes_nothing_but_the_step():
+def test_nonfinite_step_changes_nothing_but_the_step(small_config):
     """One weight set to inf makes the loss and every gradient non-finite: the compiled
     step skips the update, so parameters and optimizer state come back bit for bit and
     the step counter advances. The same step on finite weights updates every leaf."""
@@ -115,12 +93,14 @@ def test_nonfinite_step_changes_nothing_but_the_step():
         assert all(np.array_equal(a, np.asarray(b)) for a, b in moments) == bool(skipped)
 
 
-def test_diverging_run_stops_and_its_newest_checkpoint_is_the_last_finite_one(tmp_path):
+def test_diverging_run_stops_and_its_newest_checkpoint_is_the_last_finite_one(
+    tmp_path, small_config, train_cli
+):
     """learning_rate=1e6: the loss turns non-finite within a few steps. The run skips those
     steps, stops after max_nonfinite_steps of them in a row with one line and exit 1, and
     saves nothing after the last finite step: that one is the newest checkpoint, and every
     checkpoint left holds finite parameters."""
-    cmd, env = cli(
+    cmd, env = train_cli(
         tmp_path, "--config.train.steps=14", "--config.train.learning_rate=1e6",
         "--config.train.max_nonfinite_steps=3", "--config.checkpoint.every=1",
         "--config.checkpoint.keep=2",
@@ -139,12 +119,13 @@ def test_diverging_run_stops_and_its_newest_checkpoint_is_the_last_finite_one(tm
     assert kept == [newest - 1, newest]
     for step in kept:
         assert all(
-            np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params_at(tmp_path, step))
+            np.isfinite(np.asarray(p)).all()
+            for p in jax.tree.leaves(params_at(small_config(), tmp_path, step))
         )
     assert records[-1]["skipped_steps"] == 3
 
 
-def test_decode_writes_valid_json_from_a_model_that_gives_nan(tmp_path):
+def test_decode_writes_valid_json_from_a_model_that_gives_nan(tmp_path, small_config):
     """A checkpoint whose unembedding is NaN (not one training writes any more, but a
     converted or hand-made one can be) gives NaN log-probabilities: decode writes null."""
     arch = config_lib.model_arch(small_config())
@@ -179,7 +160,7 @@ def test_decode_writes_valid_json_from_a_model_that_gives_nan(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def four_steps(tmp_path_factory):
+def four_steps(tmp_path_factory, small_config):
     """A workdir trained 4 steps, with checkpoints 2 and 4 (the template each damage
     test copies), and the losses of the uninterrupted 6-step run of the same config."""
     path = tmp_path_factory.mktemp("four") / "run"
@@ -217,7 +198,7 @@ DAMAGES = {
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_resumes(
-    damage, four_steps, tmp_path, caplog
+    damage, four_steps, tmp_path, caplog, small_config
 ):
     template, uninterrupted = four_steps
     workdir = tmp_path / "run"
@@ -259,7 +240,7 @@ def test_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_resum
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]  # each once
 
 
-def test_no_restorable_checkpoint_is_refused_and_nothing_moves(four_steps, tmp_path):
+def test_no_restorable_checkpoint_is_refused_and_nothing_moves(four_steps, tmp_path, small_config):
     workdir = tmp_path / "run"
     shutil.copytree(four_steps[0], workdir)
     _truncate_params(workdir / "checkpoints" / "4")
@@ -281,7 +262,7 @@ def _mount(*args) -> bool:
 
 
 @pytest.fixture
-def small_checkpoint_disk(tmp_path):
+def small_checkpoint_disk(tmp_path, small_config):
     """A workdir whose checkpoints/ folder is its own tmpfs (root only), holding the
     checkpoint of a 2-step run; yields (workdir, remount) where remount(options) changes
     the tmpfs (size=..., ro)."""
@@ -311,7 +292,7 @@ def _used_bytes(folder) -> int:
     ],
 )
 def test_failed_save_is_reported_when_it_finishes_and_the_previous_checkpoint_survives(
-    small_checkpoint_disk, fault, retries, cause, caplog
+    small_checkpoint_disk, fault, retries, cause, caplog, small_config
 ):
     """The save of step 4 fails (a full disk: the tmpfs shrunk to what checkpoint 2 uses;
     or a read-only one). The failure is one line naming the cause, reported before the

@@ -274,7 +274,6 @@ class TrainCheckpointer:
         self._mngr = _manager(self.directory, keep=keep, async_save=async_save)
         self._saving: int | None = None  # the step of the save under way
         self.failure: str | None = None  # the last failed save, one line
-        self.failed_in_a_row = 0
         self._sigterm = threading.Event()
         self._previous_handler = None
 
@@ -326,10 +325,14 @@ class TrainCheckpointer:
                 DATA: grain.checkpoint.CheckpointSave(data_iterator),
             }
         )
+        cannot_write = _agree(self._cannot_write())
+        if cannot_write:
+            self._fail(step, cannot_write)
+            return False
         try:
             self._mngr.save(step, args=args, force=True)
         except Exception as e:  # a synchronous save, or the previous one, failed
-            self._fail(step if self._saving is None else self._saving, e)
+            self._fail(step if self._saving is None else self._saving, _root_cause(e), e)
             return False
         self._saving = step
         if not self._async:
@@ -351,18 +354,30 @@ class TrainCheckpointer:
         try:
             self._mngr.wait_until_finished()
         except Exception as e:
-            self._fail(step, e)
+            self._fail(step, _root_cause(e), e)
             return
-        self.failed_in_a_row = 0
         if jax.process_index() == 0:
             integrity.record(storage.join(self.directory, str(step)))
 
-    def _fail(self, step: int, e: BaseException) -> None:
+    def _cannot_write(self) -> str | None:
+        """Why this process cannot write into the checkpoint folder, or None. Checked before
+        each save: when Orbax cannot create a step folder (a read-only disk), its other
+        threads wait 300 s for that folder before the save fails."""
+        probe = storage.join(self.directory, f".write_probe.{jax.process_index()}")
+        try:
+            storage.makedirs(self.directory)
+            storage.write_atomic(probe, b"")
+            storage.remove(probe)
+        except OSError as e:
+            return e.strerror or first_line(e)
+        return None
+
+    def _fail(self, step: int, cause: str, e: BaseException | None = None) -> None:
         """Records a failed save, removes what it left, and starts a fresh manager (Orbax's
         raises the same error again at every later call)."""
-        logging.info("Checkpoint save of step %d failed: %s", step, first_line(e, 2000))
-        self.failed_in_a_row += 1
-        self.failure = f"saving checkpoint step {step} to {self.directory} failed: {_root_cause(e)}"
+        if e is not None:
+            logging.info("Checkpoint save of step %d failed: %s", step, first_line(e, 2000))
+        self.failure = f"saving checkpoint step {step} to {self.directory} failed: {cause}"
         self._mngr = _manager(self.directory, keep=self._keep, async_save=self._async)
         if jax.process_index() == 0:
             self._remove_partial(step)

@@ -110,6 +110,9 @@ def default_config() -> ml_collections.ConfigDict:
             eval_every=0,  # 0: no periodic eval
             eval_batches=4,
             peak_flops_per_device=0.0,  # 0: look it up from the device kind
+            # A step whose loss or gradient norm is not finite is skipped (parameters and
+            # optimizer state unchanged); this many in a row stop the run (exit 1).
+            max_nonfinite_steps=5,
         )
     )
     c.data = ml_collections.ConfigDict(
@@ -127,6 +130,9 @@ def default_config() -> ml_collections.ConfigDict:
             keep=3,
             async_save=True,
             init_from="",  # Orbax or HF dir: start from its params (fine-tuning)
+            # Failed saves a run survives (each tried again at the next checkpoint step);
+            # the one after them stops the run (exit 1). 0: stop at the first.
+            max_failed_saves=0,
         )
     )
     return c
@@ -274,7 +280,9 @@ def validate(config: ml_collections.ConfigDict):
     _check(t.grad_clip_norm >= 0, "train.grad_clip_norm", "must be >= 0 (0 disables)")
     _check(t.loss_chunk_size > 0, "train.loss_chunk_size", "must be > 0")
     _check(t.log_every > 0, "train.log_every", "must be > 0")
+    _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
+    _check(config.checkpoint.max_failed_saves >= 0, "checkpoint.max_failed_saves", "must be >= 0")
     _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
     _check(
         config.model.max_position_embeddings >= t.seq_len,

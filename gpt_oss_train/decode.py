@@ -76,9 +76,7 @@ def get_config():
 def _define_flags():
     """Defined when run as a program only, so tests can import this module beside
     gpt_oss_train.train (which defines its own --config)."""
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file(
+    errors.define_config_flag(
         "config",
         os.path.abspath(__file__),
         "Runtime config (mesh, dtype, moe_impl, attention_impl, ...); the architecture "
@@ -193,7 +191,10 @@ def _check_flags(f) -> Options:
 
 
 def _write_jsonl(records: list[dict], path: str | None):
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    text = "".join(
+        json.dumps(requests.json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
+        for r in records
+    )
     if path:
         with open(path, "w", encoding="utf-8") as out:
             out.write(text)
@@ -254,7 +255,7 @@ def _score_data(model, f) -> int:
     )
     if f.output:
         with open(f.output, "w") as out:
-            json.dump(result, out)
+            json.dump(requests.json_safe(result), out, allow_nan=False)
     return 0
 
 
@@ -307,4 +308,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

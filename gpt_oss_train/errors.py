@@ -1,13 +1,16 @@
-"""Errors a user can cause, and how entry points report them.
+"""Errors a user can cause, runs that stop themselves, and how entry points report both.
 
-Every such error derives from `UserError`: its message is one line that names the thing
-(a config field, a file, a flag) and the fix. Entry points catch `UserError`, print
-`error: <message>` and exit with status 2, before any expensive work where possible;
-anything else is a bug and keeps its traceback.
+Every error a user can cause derives from `UserError`: its message is one line that names
+the thing (a config field, a file, a flag) and the fix. A run that stops itself to protect
+its work (a failed checkpoint save, a loss that stays non-finite) raises `RunStopped`, whose
+message says what survives and what to do. Entry points catch both, print `error: <message>`
+and exit with status 2 (user error) or 1 (stopped run), before any expensive work where
+possible; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -19,7 +22,63 @@ class ConfigError(UserError):
     """A configuration that cannot run; the message names the field and the fix."""
 
 
-def report(e: UserError) -> int:
-    """Prints the one-line message for an entry point and returns its exit status."""
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+class RunStopped(RuntimeError):
+    """A training run stopped itself so that no finished work is lost; one-line message."""
+
+
+def report(e: Exception) -> int:
+    """Prints the one-line message for an entry point and returns its exit status: 1 for a
+    stopped run, 2 for a user error (an OSError on a path the user gave, too)."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 1 if isinstance(e, RunStopped) else 2
+
+
+def override_error(argv: list[str], e: Exception) -> UserError:
+    """The one-line error for a bad `--config.a.b=v` override. ml_collections raises
+    AttributeError/KeyError with a 'did you mean' note, deep in flag parsing (a 55-line
+    traceback), or when the default config is defined, at import."""
+    while e.args and isinstance(e.args[0], BaseException):
+        e = e.args[0]
+    text = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [type(e).__name__]
+    field, hint = lines[0].strip("'\""), " ".join(lines[1:])
+    flag = next(
+        (a for a in argv[1:] if a.startswith("--config.") and field in a.split("=")[0]),
+        "a --config override",
+    )
+    message = f"{flag}: no config field {field!r}"
+    return UserError(message + (f"; {hint[0].lower()}{hint[1:]}" if hint else ""))
+
+
+_OVERRIDE_ERRORS = (AttributeError, KeyError, TypeError, ValueError)
+
+
+def define_config_flag(name: str, default: str, help_text: str):
+    """config_flags.DEFINE_config_file, with a bad override applied to the default config
+    right here reported in one line (exit 2)."""
+    from ml_collections import config_flags
+
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_text)
+    except _OVERRIDE_ERRORS as e:
+        sys.exit(report(override_error(sys.argv, e)))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with a bad flag
+    reported in one line, exit 2 (see override_error)."""
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(report(UserError(str(e).splitlines()[0])))
+    except _OVERRIDE_ERRORS as e:
+        sys.exit(report(override_error(argv, e)))
+
+
+def json_error(e: json.JSONDecodeError) -> str:
+    """'not valid JSON (<what> at column N)'. Some of json's messages already end in 'at'
+    ('Invalid control character at'), which would read 'at at column'."""
+    msg = e.msg[: -len(" at")] if e.msg.endswith(" at") else e.msg
+    return f"not valid JSON ({msg} at column {e.colno})"

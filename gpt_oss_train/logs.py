@@ -10,29 +10,58 @@ from __future__ import annotations
 import os
 
 
-class _LibraryInfoFilter:
-    """Drops INFO-and-below records logged from inside orbax and grain: a checkpoint save
-    prints ~40 INFO lines there, which would bury the one metrics line per log step."""
+class _LibraryFilter:
+    """Drops library chatter from the console:
+    - INFO-and-below records logged from inside orbax, grain, fsspec and gcsfs: a
+      checkpoint save prints ~40 INFO lines there, and gs:// reads one per file opened;
+    - orbax's ERROR records: every error it logs also reaches its caller as an exception,
+      which training reports in one line (a save that fails on a full disk logs hundreds
+      of lines of tracebacks there, burying the cause)."""
 
-    _NOISY = (f"{os.sep}orbax{os.sep}", f"{os.sep}grain{os.sep}")
+    _NOISY = tuple(f"{os.sep}{name}{os.sep}" for name in ("orbax", "grain", "fsspec", "gcsfs"))
+    _ORBAX = f"{os.sep}orbax{os.sep}"
 
     def filter(self, record) -> bool:
         import logging as std_logging
 
+        if record.levelno >= std_logging.CRITICAL:
+            return True
+        if record.levelno >= std_logging.ERROR:
+            return self._ORBAX not in record.pathname
         if record.levelno > std_logging.INFO:
             return True
         return not any(part in record.pathname for part in self._NOISY)
 
 
+def _closed_loop_noise(unraisable) -> bool:
+    """When a checkpoint save fails, Orbax closes its asyncio loop while TensorStore still
+    completes the save's other writes; each completion then tries to wake the closed loop
+    and prints an unraisable 'RuntimeError: Event loop is closed' traceback (dozens per
+    failed save, after the failure itself has been reported)."""
+    e = unraisable.exc_value
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
 def quiet_library_logs() -> None:
-    """Keeps absl INFO for this project, warnings and errors for everyone."""
+    """Keeps absl INFO for this project, warnings and errors for everyone (see
+    _LibraryFilter and _closed_loop_noise for the exceptions)."""
+    import sys
+
     from absl import logging
 
     if logging.get_verbosity() >= logging.DEBUG:
         return
     handler = logging.get_absl_handler()
-    if not any(isinstance(f, _LibraryInfoFilter) for f in handler.filters):
-        handler.addFilter(_LibraryInfoFilter())
+    if not any(isinstance(f, _LibraryFilter) for f in handler.filters):
+        handler.addFilter(_LibraryFilter())
+    previous = sys.unraisablehook
+    if getattr(previous, "__name__", "") != "_quiet_unraisable":
+
+        def _quiet_unraisable(unraisable):
+            if not _closed_loop_noise(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = _quiet_unraisable
 
 
 def conversation_only() -> None:

@@ -2,17 +2,22 @@
 
     python -m gpt_oss_train.train --config=configs/cpu_tiny.py --workdir=/tmp/run
 
-The same command runs on one CPU and on every host of a pod. In order:
+The same command runs on one CPU and on every host of a pod; the workdir may be local or
+gs://bucket/run (io/storage.py). In order:
 
-  1. config -> validated; the architecture comes from the config, or from
-     `checkpoint.init_from` when fine-tuning
-  2. the training setup (training/state.py): mesh, logical-axis rules, shardings, the
+  1. config -> validated; then the workdir lock (io/workdir_lock.py): a second run on the
+     same workdir stops here with one line, before any work
+  2. the architecture: from the config, or from `checkpoint.init_from` when fine-tuning
+  3. the training setup (training/state.py): mesh, logical-axis rules, shardings, the
      jitted donated train step; the same one tools/aot_compile.py compiles for a TPU pod
-  3. data: a grain pipeline per process, batches assembled into global arrays
-  4. state: resumed from <workdir>/checkpoints, else loaded (init_from), else random;
-     created straight into its shardings
-  5. loop: train_step, metrics every log_every steps, eval every eval_every, an Orbax
-     checkpoint every checkpoint.every, SIGTERM -> save + exit
+  4. data: a grain pipeline per process, batches assembled into global arrays
+  5. state: the newest checkpoint in <workdir>/checkpoints that restores (a damaged one
+     is logged and set aside), else init_from's params, else random ones
+  6. loop: train_step (which skips an update whose loss or gradient norm is not finite),
+     metrics every log_every steps, eval every eval_every, an Orbax checkpoint every
+     checkpoint.every. It stops without losing finished work on SIGTERM (saves, exit 0),
+     and with one line and exit 1 after train.max_nonfinite_steps skipped steps in a row,
+     a failed checkpoint save (checkpoint.max_failed_saves) or a lost workdir lock.
 """
 
 from __future__ import annotations
@@ -24,21 +29,22 @@ import time
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import errors, hardware, logs, runtime
-from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.errors import ConfigError, RunStopped
+from gpt_oss_train.io import storage, workdir_lock
 from gpt_oss_train.model import architecture
 from gpt_oss_train.sharding import initialize_distributed
 from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import flops as flops_lib
+from gpt_oss_train.training import guards
 from gpt_oss_train.training import state as state_lib
 from gpt_oss_train.training.evaluate import evaluate
 from gpt_oss_train.training.metrics import MetricsWriter
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_tiny.py", "Config file.")
+_CONFIG = errors.define_config_flag("config", "configs/cpu_tiny.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and metrics go.")
 
 
@@ -47,12 +53,17 @@ def resolve_architecture(config) -> dict:
     src = config.checkpoint.init_from
     if not src:
         return architecture.validate(config_lib.model_arch(config))
-    if not os.path.exists(src):
+    if not storage.exists(src):
         raise ConfigError(f"config.checkpoint.init_from: {src} does not exist")
     from gpt_oss_train.io import hf
 
     if ckpt_lib.is_orbax_checkpoint(src):
         arch = ckpt_lib.read_model_config(src)
+    elif storage.is_remote(src):
+        raise ConfigError(
+            f"config.checkpoint.init_from: {src} is not an Orbax checkpoint; a Hugging Face "
+            "folder is read from local disk (or convert it with tools/convert_checkpoint.py)"
+        )
     elif os.path.exists(os.path.join(src, "config.json")):
         arch = hf.HFCheckpoint(src).model_config
     else:
@@ -75,19 +86,23 @@ def check_eval_source(config):
         )
 
 
-def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> dict:
-    """The newest checkpoint of this run, else init_from's parameters, else random ones."""
-    start = ckpt.latest_step()
-    if start is not None:
-        abstract = setup.abstract_state
-        params, opt_state, _ = ckpt.restore(
-            start, abstract["params"], abstract["opt_state"], pipeline.iterator
-        )
+def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> tuple[dict, dict]:
+    """(state, the checkpoint's meta) from the newest checkpoint of this run that restores,
+    else init_from's parameters, else random ones (meta {})."""
+    abstract = setup.abstract_state
+    found = ckpt.restore_newest(
+        abstract["params"],
+        abstract["opt_state"],
+        pipeline.iterator,
+        whole_batches=pipeline.whole_batches,
+    )
+    if found is not None:
+        start, (params, opt_state, meta) = found
         logging.info("Resumed from %s at step %d", ckpt.directory, start)
-        return setup.state_from(params, opt_state, start)
+        return setup.state_from(params, opt_state, start), meta
     src = setup.config.checkpoint.init_from
     if not src:
-        return setup.init_state()
+        return setup.init_state(), {}
     abstract = setup.abstract_state["params"]
     if ckpt_lib.is_orbax_checkpoint(src):
         params = ckpt_lib.load_params(src, abstract)[0]
@@ -95,7 +110,7 @@ def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> dict:
         from gpt_oss_train.io import hf
 
         params = hf.load_sharded(src, abstract)
-    return setup.init_state(params)
+    return setup.init_state(params), {}
 
 
 class StepLogger:
@@ -112,12 +127,17 @@ class StepLogger:
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.losses: dict[int, float] = {}
 
-    def after_step(self, step: int, out) -> None:
+    def due(self, step: int) -> bool:
+        return step % self.t.log_every == 0 or step == self.t.steps or step == self.start + 1
+
+    def after_step(self, step: int, out, skipped_steps: int = 0) -> None:
         self.window_steps += 1
-        if not (step % self.t.log_every == 0 or step == self.t.steps or step == self.start + 1):
+        if not self.due(step):
             return
         out = jax.device_get(out)
-        scalars = {k: float(v) for k, v in out.items() if k != "tokens"}
+        scalars = {k: float(v) for k, v in out.items() if k not in ("tokens", "skipped")}
+        if skipped_steps:
+            scalars["skipped_steps"] = skipped_steps
         if step > self.start + 1:
             elapsed = time.perf_counter() - self.window_start
             scalars.update(
@@ -136,21 +156,49 @@ class StepLogger:
 
 @dataclasses.dataclass
 class Run:
-    """A training run ready to step: its setup, checkpointer, data and starting state."""
+    """A training run ready to step: its setup, checkpointer, data and starting state,
+    holding its workdir's lock (None on processes other than 0) until `close()`."""
 
     setup: state_lib.TrainSetup
     ckpt: ckpt_lib.TrainCheckpointer
     pipeline: data_lib.Pipeline
     state: dict
     workdir: str
+    lock: workdir_lock.WorkdirLock | None = None
+    meta: dict = dataclasses.field(default_factory=dict)  # the resumed checkpoint's
+
+    def close(self) -> None:
+        """Waits for a save under way, then releases the workdir."""
+        try:
+            self.ckpt.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def prepare(config, workdir: str, devices=None) -> Run:
     """Everything before the first step; user errors are raised here, before the model
-    is created (the workdir's checkpoints are checked first, and never touched)."""
+    is created (the workdir's checkpoints are checked first, and never touched). A run
+    that fails here leaves no lock and no folder it created behind."""
     config_lib.validate(config)
     check_eval_source(config)
-    workdir = os.path.abspath(workdir)
+    workdir = storage.normalize(workdir)
+    created = not storage.exists(workdir)
+    lock = workdir_lock.acquire_for_job(workdir)  # process 0 holds it; all refuse together
+    try:
+        return _prepare_locked(config, workdir, devices, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        if created and not storage.is_remote(workdir) and jax.process_index() == 0:
+            try:
+                os.rmdir(workdir)  # only if empty
+            except OSError:
+                pass
+        raise
+
+
+def _prepare_locked(config, workdir: str, devices, lock) -> Run:
     t = config.train
     arch = resolve_architecture(config)
     setup = state_lib.build(config, arch, devices)
@@ -171,50 +219,171 @@ def prepare(config, workdir: str, devices=None) -> Run:
         keep=config.checkpoint.keep,
         async_save=config.checkpoint.async_save,
     )
-    return Run(setup, ckpt, pipeline, initial_state(setup, ckpt, pipeline), workdir)
+    state, meta = initial_state(setup, ckpt, pipeline)
+    return Run(setup, ckpt, pipeline, state, workdir, lock, meta)
+
+
+def _newest(ckpt) -> str:
+    step = ckpt.latest_step()
+    return "no checkpoint was saved yet" if step is None else f"the newest checkpoint, step {step},"
+
+
+def _lock_lost(lock) -> str | None:
+    try:
+        if lock is not None:
+            lock.check()
+    except workdir_lock.WorkdirLockLostError as e:
+        return str(e)
+    return None
+
+
+class _Loop:
+    """The training loop's state between steps; `run()` is the loop."""
+
+    def __init__(self, run: Run, writer: MetricsWriter):
+        self.r, self.c, self.writer = run, run.setup.config, writer
+        self.state = run.state
+        self.step = int(self.state["step"])
+        self.logger = StepLogger(run.setup, writer, self.step)
+        self.skipped = guards.SkippedSteps(
+            self.c.train.max_nonfinite_steps, run.meta.get("skipped_steps", 0)
+        )
+        self.failed_saves = 0
+
+    def save(self, force: bool = False) -> None:
+        self.r.ckpt.save(
+            self.step,
+            self.state["params"],
+            self.state["opt_state"],
+            self.r.pipeline.iterator,
+            self.c.seed,
+            force=force,
+            meta={"skipped_steps": self.skipped.total},
+        )
+
+    def run(self) -> bool:
+        """Trains to train.steps; True if it stopped early for a SIGTERM (saved first)."""
+        setup, ckpt, pipeline, t = self.r.setup, self.r.ckpt, self.r.pipeline, self.c.train
+        ckpt.install_sigterm_handler()
+        with setup.scope():
+            while self.step < t.steps:
+                local = next(pipeline)
+                batch = data_lib.global_batch(
+                    local, setup.mesh, setup.rules, whole=pipeline.whole_batches
+                )
+                self.state, out = setup.train_step(self.state, batch)
+                self.step += 1
+                self.skipped.push(self.step, out)
+                due = ckpt.due(self.step)
+                # The previous step's flag is ready by now; this one's only before a save.
+                self.skipped.settle(
+                    self.step if due or self.logger.due(self.step) else self.step - 1
+                )
+                self.logger.after_step(self.step, out, self.skipped.total)
+                self.check_diverged()
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self.writer.write(
+                        self.step, {"eval_loss": evaluate(setup, self.state["params"])}
+                    )
+                if self.check_stops():
+                    return True
+                if due and not self.skipped.in_a_row:  # never rotate out good ones mid-streak
+                    self.save()
+            self.skipped.settle(self.step)
+            self.check_diverged()
+            if ckpt.latest_step() != self.step:
+                self.save(force=True)
+            self.finish_saving()
+        return False
+
+    def check_diverged(self) -> None:
+        if self.skipped.diverged:
+            raise RunStopped(
+                f"{self.skipped.in_a_row} steps in a row (to step {self.skipped.last_skipped}) "
+                "had a non-finite loss or gradient norm; their updates were skipped and nothing "
+                f"was saved after them: {_newest(self.r.ckpt)} holds the last finite "
+                f"parameters. Lower train.learning_rate (now {self.c.train.learning_rate:g}) or "
+                "check the data, then run again (train.max_nonfinite_steps sets the limit)"
+            )
+
+    def check_stops(self) -> bool:
+        """Acts on what any process saw: a lost lock or a failed save (raises) or SIGTERM
+        (saves, returns True)."""
+        ckpt = self.r.ckpt
+        ckpt.poll()
+        lost = _lock_lost(self.r.lock)
+        stop, failed, lock_lost = guards.agree_any(
+            ckpt.stop_requested(self.step), ckpt.failure is not None, lost is not None
+        )
+        if lock_lost:
+            raise workdir_lock.WorkdirLockLostError(
+                lost or "process 0 lost the workdir lock (its log says to whom)"
+            )
+        if failed:
+            self.save_failed()
+        if stop:
+            self.save(force=True)
+            self.finish_saving()
+            logging.warning(
+                "Preempted: saved step %d to %s; run the same command to resume",
+                self.step,
+                ckpt.directory,
+            )
+        return stop
+
+    def save_failed(self, last: bool = False) -> None:
+        """Stops the run, unless checkpoint.max_failed_saves allows another try later."""
+        message = self.r.ckpt.failure or "a checkpoint save failed on another process"
+        self.r.ckpt.failure = None
+        self.failed_saves += 1
+        allowed = self.c.checkpoint.max_failed_saves
+        if last or self.failed_saves > allowed:
+            raise RunStopped(
+                f"{message}. Nothing of that save was kept, and {_newest(self.r.ckpt)} is "
+                "intact; fix the storage, then run the same command to resume"
+            )
+        logging.error(
+            "%s; training goes on and saves again at the next checkpoint step (%d of %d "
+            "failed saves allowed by checkpoint.max_failed_saves)",
+            message,
+            self.failed_saves,
+            allowed,
+        )
+
+    def finish_saving(self) -> None:
+        """Waits for the run's last save; a failure stops the run (there is no later try)."""
+        self.r.ckpt.wait()
+        (failed,) = guards.agree_any(self.r.ckpt.failure is not None)
+        if failed:
+            self.save_failed(last=True)
 
 
 def train(config, workdir: str, devices=None) -> dict:
     """Runs the training job; returns a summary (used by tests and the CLI). `devices`
     restricts the mesh to some of the devices (tests compare meshes in one process)."""
     run = prepare(config, workdir, devices)
-    setup, ckpt, pipeline, state, t = run.setup, run.ckpt, run.pipeline, run.state, config.train
-    start = step = int(state["step"])
-    writer = MetricsWriter(run.workdir, is_primary=jax.process_index() == 0, total_steps=t.steps)
-    logger = StepLogger(setup, writer, start)
-    save = lambda step, force=False: ckpt.save(
-        step, state["params"], state["opt_state"], pipeline.iterator, config.seed, force=force
-    )
-    ckpt.install_sigterm_handler()
-    preempted = False
-    with setup.scope():
-        while step < t.steps:
-            batch = data_lib.global_batch(next(pipeline), setup.mesh, setup.rules)
-            state, out = setup.train_step(state, batch)
-            step += 1
-            logger.after_step(step, out)
-            if t.eval_every and step % t.eval_every == 0:
-                writer.write(step, {"eval_loss": evaluate(setup, state["params"])})
-            if ckpt.should_stop(step):
-                save(step, force=True)
-                logging.warning(
-                    "Preempted: saved step %d to %s; run the same command to resume",
-                    step,
-                    ckpt.directory,
-                )
-                preempted = True
-                break
-            save(step)
-        if not preempted and ckpt.latest_step() != step:
-            save(step, force=True)
-    ckpt.close()
-    writer.close()
+    try:
+        start = int(run.state["step"])
+        writer = MetricsWriter(
+            run.workdir,
+            is_primary=jax.process_index() == 0,
+            total_steps=config.train.steps,
+            resume_step=start,
+        )
+        try:
+            loop = _Loop(run, writer)
+            preempted = loop.run()
+        finally:
+            writer.close()
+    finally:
+        run.close()
     return {
-        "step": step,
-        "losses": logger.losses,
-        "checkpoints": ckpt.directory,
-        "metrics": os.path.join(run.workdir, "metrics.jsonl"),
-        "tensorboard": os.path.join(run.workdir, "tensorboard"),
+        "step": loop.step,
+        "losses": loop.logger.losses,
+        "skipped_steps": loop.skipped.total,
+        "checkpoints": run.ckpt.directory,
+        "metrics": storage.join(run.workdir, "metrics.jsonl"),
+        "tensorboard": storage.join(run.workdir, "tensorboard"),
         "preempted": preempted,
     }
 
@@ -228,7 +397,7 @@ def main(argv):
         raise app.UsageError("--workdir is required: where checkpoints and metrics go")
     try:
         summary = train(_CONFIG.value, _WORKDIR.value)
-    except errors.UserError as e:
+    except (errors.UserError, errors.RunStopped) as e:
         sys.exit(errors.report(e))
     if jax.process_index() == 0:
         losses = summary["losses"]
@@ -241,4 +410,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -5,8 +5,11 @@
 # gpt_oss_train.sharding.initialize_distributed() turns into jax.distributed.initialize.
 # CPU processes split the fake devices: set DEVICES_PER_PROCESS (default 4). Output lines
 # are prefixed with the process id ([0] ..., [1] ...). If one process fails the others are
-# stopped (a survivor would otherwise wait in a collective for its dead peer), and the
-# script exits with the first failure's status.
+# stopped (a survivor would otherwise wait in a collective for its dead peer): they get a
+# few seconds to end on their own (a job refused on every process exits by itself), then
+# SIGKILL; no SIGTERM, since a checkpoint needs every process and the failed one is gone.
+# The script exits with the first failure's status. SIGINT/SIGTERM to this script are
+# passed on as SIGTERM: every process saves a checkpoint, then exits.
 set -euo pipefail
 n=${1:?usage: launch/local.sh NUM_PROCESSES command...}; shift
 port=${COORDINATOR_PORT:-$((20000 + RANDOM % 20000))}
@@ -15,17 +18,26 @@ per=${DEVICES_PER_PROCESS:-4}
 xla_flags=$(printf '%s' "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g')
 
 pids=()
-stop_all() {
+index_of() {  # the process id of a pid (no associative arrays: macOS ships bash 3.2)
+  local i
+  for i in "${!pids[@]}"; do if [[ ${pids[$i]} == "$1" ]]; then echo "$i"; fi; done
+}
+# Waits for every process to end, checking $1 times 0.2 s apart, then SIGKILLs the rest.
+wait_then_kill() {
   local pid
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  # SIGTERM asks train.py for a checkpoint, which needs every peer; give up after a while.
-  for _ in $(seq 1 50); do
+  for _ in $(seq 1 "$1"); do
     local alive=0
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
     ((alive)) || return 0
     sleep 0.2
   done
   for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+stop_all() {
+  local pid
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  # SIGTERM asks train.py for a checkpoint, which needs every peer; give up after 10 s.
+  wait_then_kill 50
 }
 trap 'stop_all; exit 130' INT TERM
 
@@ -53,8 +65,10 @@ while ((${#remaining[@]})); do
       rc=$?
       if ((status == 0)); then
         status=$rc
-        echo "launch/local.sh: process $pid exited with status $rc; stopping the others" >&2
-        stop_all
+        echo "launch/local.sh: process $(index_of "$pid") exited with status $rc; the others" \
+          "cannot save a checkpoint without it, so they are stopped without one (a rerun" \
+          "resumes from the newest complete checkpoint)" >&2
+        wait_then_kill 25  # after a failure, no SIGTERM: no checkpoint is possible
       fi
     fi
   done

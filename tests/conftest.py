@@ -14,7 +14,18 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One persistent compilation cache for the session, subprocesses included: many tests build
+# the same tiny train step (several runs of one config, a CLI run and its resume).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="gpt_oss_train_jax_cache.")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Builders shared by several test modules: fixtures, so no test module imports another.
@@ -128,6 +139,66 @@ def mxfp4_reference():
     return _fp4, _dequant_ref
 
 
+NARROW_MODEL = dict(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16)
+
+
+@pytest.fixture(scope="session")
+def small_config():
+    """factory(**train_overrides) -> configs/cpu_tiny.py narrowed to width 16 (the real
+    201,088-id vocabulary, so real text trains), 4 steps of 8 x 16 tokens, a checkpoint
+    every 2 steps (keep 3), 64 stdlib documents: a step takes well under a second."""
+    from gpt_oss_train import config as config_lib
+
+    def make(**train):
+        c = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
+        c.model.update(NARROW_MODEL)
+        c.train.update(dict(steps=4, seq_len=16, log_every=1, eval_every=0), **train)
+        c.checkpoint.update(every=2, keep=3)
+        c.data.max_docs = 64
+        return c
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def train_cli():
+    """factory(workdir, *overrides) -> (command, env): the user's train command with
+    small_config's model and data settings, on one CPU device."""
+
+    def make(workdir, *overrides):
+        narrow = [f"--config.model.{k}={v}" for k, v in NARROW_MODEL.items()]
+        cmd = [
+            sys.executable, "-m", "gpt_oss_train.train", "--config=configs/cpu_tiny.py",
+            f"--workdir={workdir}", "--config.train.seq_len=16", "--config.train.log_every=1",
+            "--config.train.eval_every=0", "--config.data.max_docs=64", *narrow, *overrides,
+        ]  # fmt: skip
+        return cmd, dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def pretokenized_corpus(tmp_path_factory):
+    """A folder written by tools/pretokenize.py from 80 files of Python's standard library
+    (a few hundred thousand tokens), in-process."""
+    import importlib.util
+    import shutil
+
+    from gpt_oss_train.training import sources
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    for i, path in enumerate(sources._stdlib_files()[:80]):
+        shutil.copy(path, corpus / f"{i:03d}.py")
+    spec = importlib.util.spec_from_file_location(
+        "pretokenize", os.path.join(ROOT, "tools", "pretokenize.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path_factory.mktemp("pretokenized") / "stdlib80"
+    tool.pretokenize(str(corpus), str(out), shard_size=30)
+    return str(out)
+
+
 GCS_TEST_BUCKET = "gpt-oss-train-test"
 
 
@@ -135,8 +206,10 @@ GCS_TEST_BUCKET = "gpt-oss-train-test"
 def gcs_bucket(tmp_path_factory):
     """gs://<bucket> on a local GCS emulator (tests/gcs_emulator.py), started once per session.
     Its address is put where each client looks: STORAGE_EMULATOR_HOST (gcsfs, which
-    etils.epath uses, and google-cloud-storage; both then go anonymous) and
-    TENSORSTORE_GCS_HTTP_URL (TensorStore, Orbax's array writer). Child processes inherit it."""
+    etils.epath uses, and google-cloud-storage; both then go anonymous),
+    TENSORSTORE_GCS_HTTP_URL (TensorStore, Orbax's array writer) and
+    CLOUD_STORAGE_EMULATOR_ENDPOINT (google-cloud-cpp, which ArrayRecord reads gs:// with).
+    Child processes inherit them."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator.py")
     log = tmp_path_factory.mktemp("gcs_emulator") / "stderr.log"
     with open(log, "w") as stderr:
@@ -154,6 +227,7 @@ def gcs_bucket(tmp_path_factory):
         with pytest.MonkeyPatch.context() as env:
             env.setenv("STORAGE_EMULATOR_HOST", url)
             env.setenv("TENSORSTORE_GCS_HTTP_URL", url)
+            env.setenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", url)  # google-cloud-cpp: ArrayRecord
             # gcsfs's default file system asks the Storage Control API (not emulated) for
             # each bucket's layout; read when gcsfs is first imported.
             env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -133,3 +133,33 @@ def test_read_metrics_jsonl_resume_from_earlier_checkpoint(tmp_path):
         (4, 14.0),
         (5, 15.0),
     ]
+
+
+def test_resumed_writer_drops_the_replayed_steps_once(tmp_path):
+    """A run resumed from step 3 replays steps 4 and 5: metrics.jsonl keeps steps 1-3 of
+    the first run (and no half-written line) and gets 4 and 5 once, from the second run;
+    TensorBoard, told by a session-start event at step 4, shows the second run's values
+    from there on."""
+    with MetricsWriter(tmp_path, console=lambda line: None) as w:
+        for step in range(1, 7):
+            w.write(step, {"loss": float(step)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # killed mid-line
+    with MetricsWriter(tmp_path, console=lambda line: None, resume_step=3) as w:
+        for step in (4, 5):
+            w.write(step, {"loss": 10.0 + step})
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in rows] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 14.0),
+        (5, 15.0),
+    ]
+    assert _tb_scalars(str(tmp_path / "tensorboard"))["loss"] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 14.0),
+        (5, 15.0),
+    ]

@@ -34,7 +34,7 @@ def test_train_and_aot_compile_lower_the_same_step(tmp_path):
     batch = data_lib.global_batch(next(run.pipeline), run.setup.mesh, run.setup.rules)
     with run.setup.scope():
         trained = run.setup.train_step.lower(run.state, batch).as_text()
-    run.ckpt.close()
+    run.close()
 
     _, aot = _aot_compile_tool().lower_train_step(config, jax.devices())
     assert aot.as_text() == trained

@@ -92,6 +92,19 @@ def test_files_listing_and_removal(root):
         storage.listdir(storage.join(root, "sub"))
 
 
+def test_file_sizes_and_move(root):
+    """The size listing checkpoint verification compares, and moving a folder aside."""
+    storage.write_atomic(storage.join(root, "7", "a.json"), "{}")
+    storage.write_atomic(storage.join(root, "7", "d", "blob"), bytes(1000))
+    assert storage.file_sizes(storage.join(root, "7")) == {"a.json": 2, "d/blob": 1000}
+    storage.move(storage.join(root, "7"), storage.join(root, "aside", "7"))
+    assert storage.listdir(root) == ["aside"]
+    assert storage.file_sizes(storage.join(root, "aside")) == {"7/a.json": 2, "7/d/blob": 1000}
+    storage.write_atomic(storage.join(root, "8", "x"), "1")
+    with pytest.raises(FileExistsError):
+        storage.move(storage.join(root, "8"), storage.join(root, "aside", "7"))
+
+
 def test_objects_another_writer_adds_are_seen_at_once(gcs_dir):
     """fsspec caches listings by default, and then an object written by another host (or
     by TensorStore in this process) stays invisible to exists/listdir; storage turns it off."""

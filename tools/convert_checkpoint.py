@@ -99,6 +99,15 @@ def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: boo
 
 def main(argv):
     del argv
+    from gpt_oss_train import errors
+
+    try:
+        convert()
+    except (errors.UserError, OSError) as e:  # a path or file the user gave: one line
+        sys.exit(errors.report(e))
+
+
+def convert():
     if bool(_HF_DIR.value) == bool(_ORBAX_DIR.value):
         raise app.UsageError(
             "give exactly one of --hf_dir (with --output_dir) or --orbax_dir (with --hf_out)"
@@ -124,4 +133,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from gpt_oss_train import errors
+
+    app.run(main, flags_parser=errors.parse_flags)

@@ -20,6 +20,7 @@ from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.inference.generate import Generator, SamplingParams
+from gpt_oss_train.io import storage
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.model import architecture
 from gpt_oss_train.model.transformer import ModelDef
@@ -68,10 +69,15 @@ def checkpoint_kind(path: str) -> str:
     """'orbax' or 'hf'; anything else is refused here, before any compute."""
     if not path:
         raise DecodeError("--checkpoint is required: an Orbax checkpoint or a Hugging Face folder")
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise DecodeError(f"--checkpoint={path}: no such folder")
     if ckpt_lib.is_orbax_checkpoint(path):
         return "orbax"
+    if storage.is_remote(path):
+        raise DecodeError(
+            f"--checkpoint={path}: no Orbax checkpoint there (a Hugging Face folder is read "
+            "from local disk only)"
+        )
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf"
     raise DecodeError(
@@ -184,7 +190,7 @@ def load_model(
         except (ValueError, OSError) as e:
             raise DecodeError(f"--checkpoint={path}: {e}") from None
 
-    return _place(config, arch, read, kind, os.path.abspath(path), int8_weights)
+    return _place(config, arch, read, kind, storage.normalize(path), int8_weights)
 
 
 def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:

@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from gpt_oss_train import sharding
+from gpt_oss_train.errors import json_error
 from gpt_oss_train.inference.engine import (
     TEXT_STOP_IDS,
     DecodeError,
@@ -60,7 +61,7 @@ def _load_line(raw: bytes) -> dict:
     except UnicodeDecodeError as e:
         raise LineError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise LineError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+        raise LineError(json_error(e)) from None
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -142,6 +143,26 @@ def parse_generate_line(
             "and at least one generated token must fit"
         )
     return Request(index, kind, prompt, stop_ids, max_new, seed)
+
+
+def json_safe(obj):
+    """`obj` with every non-finite float replaced by None: a model whose weights overflow
+    gives NaN log-probabilities, and bare NaN is not JSON (json.dumps writes it anyway)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def perplexity(mean_nll: float) -> float:
+    """exp(mean_nll); inf where it overflows (a float, then null in JSON)."""
+    try:
+        return math.exp(mean_nll)
+    except OverflowError:
+        return math.inf
 
 
 def error_record(index: int, message: str) -> dict:
@@ -326,7 +347,7 @@ def run_score(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
                 "num_tokens": len(ids),
                 "logprobs": logp.tolist(),
                 "sum_logprob": total,
-                "perplexity": math.exp(-total / len(logp)),
+                "perplexity": perplexity(-total / len(logp)),
             }
     return [results[i] for i in sorted(results)]
 
@@ -358,12 +379,14 @@ def evaluate_data(
     )
     with model.scope():
         batches = evaluate_lib.take(pipeline, num_batches)
-        result = evaluate_lib.eval_loss(step, model.params, batches, model.mesh, model.rules)
+        result = evaluate_lib.eval_loss(
+            step, model.params, batches, model.mesh, model.rules, whole=pipeline.whole_batches
+        )
     if not result["tokens"]:
         raise DecodeError(f"--data={spec}: the eval split gave no tokens to score")
     return {
         "source": spec,
         "split": "eval",
         **result,
-        "perplexity": math.exp(result["loss"]),
+        "perplexity": perplexity(result["loss"]),
     }

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
+from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.io.hf_config import (
     generation_config,
@@ -133,6 +134,10 @@ def _mxfp4_shapes(plan: HFTensorPlan) -> tuple[tuple[int, ...], tuple[int, ...]]
 # --------------------------------------------------------------------------
 
 
+class HFCheckpointError(UserError):
+    """A Hugging Face folder that cannot be read as gpt-oss; the message names the file."""
+
+
 class HFCheckpoint:
     """A Hugging Face GPT-OSS checkpoint folder, read lazily one tensor at a time.
 
@@ -153,11 +158,11 @@ class HFCheckpoint:
             with open(cfg_path) as f:
                 self.hf_config: dict[str, Any] = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
+            raise HFCheckpointError(f"{cfg_path} is not valid JSON ({e})") from None
         try:
             self._model_config = hf_config_to_model_dict(self.hf_config)
         except ValueError as e:
-            raise ValueError(f"{cfg_path}: {e}") from None
+            raise HFCheckpointError(f"{cfg_path}: {e}") from None
         self._sizes = parameters.dim_sizes(self._model_config)
         self._shapes = param_shapes(self._model_config)
         self._tensors = self._index_tensors()
@@ -175,7 +180,9 @@ class HFCheckpoint:
                 with open(idx_path) as f:
                     wmap = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{idx_path} is not a valid safetensors index ({e!r})") from None
+                raise HFCheckpointError(
+                    f"{idx_path} is not a valid safetensors index ({e!r})"
+                ) from None
             headers: dict[str, dict[str, TensorInfo]] = {}
             for fname in sorted(set(wmap.values())):
                 fpath = os.path.join(self.path, fname)
@@ -184,7 +191,7 @@ class HFCheckpoint:
                 headers[fname] = read_header(fpath)[0]
             for name, fname in wmap.items():
                 if name not in headers[fname]:
-                    raise ValueError(
+                    raise HFCheckpointError(
                         f"{idx_path} says tensor {name!r} is in "
                         f"{os.path.join(self.path, fname)}, but that file lacks it"
                     )
@@ -206,7 +213,7 @@ class HFCheckpoint:
         for fpath in files:
             for name, info in read_header(fpath)[0].items():
                 if name in tensors:
-                    raise ValueError(
+                    raise HFCheckpointError(
                         f"tensor {name!r} appears in both {tensors[name].file} and {fpath}"
                     )
                 tensors[name] = info
@@ -219,16 +226,18 @@ class HFCheckpoint:
     def _check(self, name: str, shape: tuple[int, ...], kind: str) -> None:
         t = self._tensors.get(name)
         if t is None:
-            raise ValueError(f"HF checkpoint is missing tensor {name!r} in {self._where()}")
+            raise HFCheckpointError(f"HF checkpoint is missing tensor {name!r} in {self._where()}")
         if t.shape != tuple(shape):
-            raise ValueError(
+            raise HFCheckpointError(
                 f"tensor {name!r} in {t.file} has shape {list(t.shape)}, expected "
                 f"{list(shape)} from config.json"
             )
         ok = t.dtype in FLOAT_DTYPES if kind == "float" else t.dtype == "U8"
         if not ok:
             want = "a float dtype (F32/BF16/F16/F64)" if kind == "float" else "U8"
-            raise ValueError(f"tensor {name!r} in {t.file} has dtype {t.dtype}, expected {want}")
+            raise HFCheckpointError(
+                f"tensor {name!r} in {t.file} has dtype {t.dtype}, expected {want}"
+            )
 
     def _validate(self) -> None:
         for plan in hf_tensors(self._model_config):
@@ -236,7 +245,7 @@ class HFCheckpoint:
             stored_mxfp4 = blocks in self._tensors or scales in self._tensors
             if plan.mxfp4 and plan.name not in self._tensors and stored_mxfp4:
                 if plan.shape[1] % 32:
-                    raise ValueError(
+                    raise HFCheckpointError(
                         f"tensor {blocks!r}: MXFP4 needs the input size {plan.shape[1]} "
                         "to be a multiple of 32"
                     )
@@ -245,7 +254,7 @@ class HFCheckpoint:
                 self._check(scales, scales_shape, "u8")
                 self._mx_layers.add(plan.layer)
             elif plan.mxfp4 and plan.name not in self._tensors:
-                raise ValueError(
+                raise HFCheckpointError(
                     f"HF checkpoint is missing tensor {plan.name!r} (or its MXFP4 form "
                     f"{blocks!r} + {scales!r}) in {self._where()}"
                 )
@@ -544,7 +553,7 @@ def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
             for k in p.split("/"):
                 target = target[k]
             if tuple(target.shape) != tuple(ckpt.param_shape(p)):
-                raise ValueError(
+                raise HFCheckpointError(
                     f"{path}: {p} has shape {ckpt.param_shape(p)} in the checkpoint "
                     f"but the model expects {tuple(target.shape)}"
                 )

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from gpt_oss_train.errors import UserError
+
 __all__ = ["ST_DTYPES", "FLOAT_DTYPES", "TensorInfo", "read_header", "write_safetensors"]
 
 # safetensors dtype names.
@@ -40,6 +42,10 @@ ST_DTYPES = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+class SafetensorsError(UserError):
+    """A safetensors file that is truncated or corrupt; the message names the file."""
 
 
 class TensorInfo:
@@ -67,12 +73,12 @@ def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
     with open(fpath, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(
+            raise SafetensorsError(
                 f"safetensors file {fpath} is truncated or corrupt ({size} bytes, no header)"
             )
         (n,) = struct.unpack("<Q", head)
         if 8 + n > size:
-            raise ValueError(
+            raise SafetensorsError(
                 f"safetensors file {fpath} is truncated or corrupt: header length "
                 f"{n} runs past the end of the file ({size} bytes)"
             )
@@ -80,9 +86,9 @@ def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
     try:
         hdr = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"safetensors file {fpath} has a corrupt header ({e})") from None
+        raise SafetensorsError(f"safetensors file {fpath} has a corrupt header ({e})") from None
     if not isinstance(hdr, dict):
-        raise ValueError(f"safetensors file {fpath} has a corrupt header (not a JSON object)")
+        raise SafetensorsError(f"safetensors file {fpath} has a corrupt header (not a JSON object)")
     data_len = size - 8 - n
     out: dict[str, TensorInfo] = {}
     max_end = 0
@@ -96,28 +102,28 @@ def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
                 info["data_offsets"],
             )
         except (KeyError, TypeError, ValueError):
-            raise ValueError(
+            raise SafetensorsError(
                 f"safetensors file {fpath}: corrupt header entry for {name!r}"
             ) from None
         if st not in ST_DTYPES:
-            raise ValueError(
+            raise SafetensorsError(
                 f"safetensors file {fpath}: tensor {name!r} has unsupported dtype {st}"
             )
         nbytes = math.prod(shape) * ST_DTYPES[st].itemsize
         if not (0 <= b <= e) or e - b != nbytes:
-            raise ValueError(
+            raise SafetensorsError(
                 f"safetensors file {fpath}: tensor {name!r} has data_offsets {[b, e]} "
                 f"inconsistent with {st} {list(shape)}"
             )
         if e > data_len:
-            raise ValueError(
+            raise SafetensorsError(
                 f"safetensors file {fpath} is truncated: tensor {name!r} ends at byte "
                 f"{8 + n + e} but the file has {size} bytes"
             )
         max_end = max(max_end, e)
         out[name] = TensorInfo(name, fpath, st, shape, b, e)
     if max_end != data_len:
-        raise ValueError(
+        raise SafetensorsError(
             f"safetensors file {fpath} is corrupt: {data_len} data bytes but the "
             f"header describes {max_end}"
         )

@@ -131,6 +131,39 @@ def rmtree(path: str | os.PathLike, *, missing_ok: bool = False) -> None:
     p.rmtree()
 
 
+def file_sizes(directory: str | os.PathLike) -> dict[str, int]:
+    """{path relative to `directory` ('/'-separated): size in bytes} of every file under it."""
+    directory = normalize(directory)
+    if is_remote(directory):
+        fs, root = fsspec.core.url_to_fs(directory)
+        found = fs.find(root, detail=True)
+        return {
+            posixpath.relpath(name, root): int(info["size"])
+            for name, info in found.items()
+            if info.get("type") != "directory"
+        }
+    sizes = {}
+    for folder, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(folder, name)
+            sizes[os.path.relpath(path, directory).replace(os.sep, "/")] = os.path.getsize(path)
+    return sizes
+
+
+def move(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Moves a file or folder to `dst`, which must not exist (on object storage: a copy of
+    each object, then its deletion)."""
+    src, dst = normalize(src), normalize(dst)
+    if exists(dst):
+        raise FileExistsError(f"{dst} already exists")
+    if not is_remote(src):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.rename(src, dst)
+        return
+    fs, key = fsspec.core.url_to_fs(src)
+    fs.mv(key, fsspec.core.url_to_fs(dst)[1], recursive=True)
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Writes a small file that readers see whole or not at all, never in part."""
     path = normalize(path)

@@ -38,13 +38,14 @@ from typing import Callable
 
 from absl import logging
 
+from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import storage
 
 LOCK_NAME = "workdir.lock"
 DEFAULT_LEASE_S = 300.0
 
 
-class WorkdirLockError(RuntimeError):
+class WorkdirLockError(UserError):
     """The workdir lock cannot be taken or was lost; the message is one line (exit 2)."""
 
 

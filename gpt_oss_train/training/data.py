@@ -34,7 +34,7 @@ import numpy as np
 from gpt_oss_train.io.tokenizer import PAD_ID
 
 # DataError is raised here too; callers catch it as data.DataError.
-from gpt_oss_train.training.sources import Chat, DataError, make_source
+from gpt_oss_train.training.sources import Chat, DataError, TokenRecords, make_source
 
 EXAMPLE_KEYS = ("inputs", "targets", "loss_mask")
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -141,13 +141,14 @@ def _stack_rows(rows: list[dict[str, np.ndarray]], *, num_rows: int, pad_id: int
 # Pipeline
 # --------------------------------------------------------------------------------------
 class Pipeline:
-    """A running input pipeline: `next(p)` gives this process's batch. `iterator` is the
+    """A running input pipeline: `next(p)` gives this process's batch: its own rows, or
+    with `whole_batches` the whole global batch (see make_pipeline). `iterator` is the
     grain DatasetIterator; checkpoints save and restore it through Orbax
     (`grain.checkpoint.CheckpointSave(p.iterator)` / `CheckpointRestore(p.iterator)`),
     and `iterator.get_state()` is the same state as a JSON-able dict."""
 
-    def __init__(self, dataset: grain.IterDataset, source):
-        self.dataset, self.source = dataset, source
+    def __init__(self, dataset: grain.IterDataset, source, whole_batches: bool = False):
+        self.dataset, self.source, self.whole_batches = dataset, source, whole_batches
         self.iterator = iter(dataset)
 
     def __iter__(self):
@@ -175,12 +176,20 @@ def make_pipeline(
     max_docs: int = 0,
     read_threads: int = 2,
 ) -> Pipeline:
-    """The pipeline of one JAX process: global_batch_size // process_count rows a batch.
+    """The pipeline of one JAX process.
 
     Order (all deterministic in `seed`, resumable from the iterator state): documents ->
     shuffle (a new order each epoch) -> repeat num_epochs (None: forever) -> this process's
-    share [process_index::process_count] -> tokenize -> pack -> batch. `source_spec` is a
-    spec string or a source from `make_source`; `max_docs` > 0 keeps the first max_docs.
+    share [process_index::process_count] -> tokenize -> pack -> batch of
+    global_batch_size // process_count rows. `source_spec` is a spec string or a source
+    from `make_source`; `max_docs` > 0 keeps the first max_docs.
+
+    Pre-tokenized sources skip the per-process share: every process reads and packs the
+    same documents into whole global batches (`Pipeline.whole_batches`), so the batch at
+    step s is a function of the seed and s alone, on any number of processes, and the
+    iterator state is the same on all of them (a checkpoint resumes on another process
+    count). Reading ids is cheap; tokenizing text on every process would not be, so text
+    sources keep the per-process share and an order that depends on the process count.
 
     A finite run (num_epochs set) ends with a last batch padded to full size; in a
     multi-process job the processes may run out after different numbers of batches, so
@@ -200,7 +209,8 @@ def make_pipeline(
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed {seed} must be in [0, 2**32)")
     source = make_source(source_spec, split=split) if isinstance(source_spec, str) else source_spec
-    rows = global_batch_size // process_count
+    whole = isinstance(source, TokenRecords)
+    rows = global_batch_size if whole else global_batch_size // process_count
     pad_id = PAD_ID
 
     ds = grain.MapDataset.source(source)
@@ -209,8 +219,9 @@ def make_pipeline(
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
-    # After repeat, so the processes split every epoch between them, each a disjoint part.
-    ds = ds[process_index::process_count]
+    if not whole:
+        # After repeat, so the processes split every epoch between them, each a disjoint part.
+        ds = ds[process_index::process_count]
     ds = ds.map(to_example).filter(_has_pairs)
     # Threads overlap file reads and tokenizing with the train step (which releases the GIL).
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
@@ -222,16 +233,25 @@ def make_pipeline(
         if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app
             flags.FLAGS.mark_as_parsed()  # (tests, notebooks) their defaults are the right ones
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return Pipeline(ds, source)
+    return Pipeline(ds, source, whole_batches=whole)
 
 
-def global_batch(local_batch: dict[str, np.ndarray], mesh, rules) -> dict[str, Any]:
-    """This process's rows -> global jax.Arrays sharded over `batch` (any process count)."""
+def global_batch(
+    local_batch: dict[str, np.ndarray], mesh, rules, *, whole: bool = False
+) -> dict[str, Any]:
+    """This process's rows -> global jax.Arrays sharded over `batch` (any process count).
+    whole=True: `local_batch` is the whole global batch (Pipeline.whole_batches); each
+    device takes its own rows of it."""
     import jax
 
     from gpt_oss_train import sharding
 
     s = sharding.batch_sharding(mesh, sharding.validate_rules(rules, mesh.axis_names), 2)
+    if whole:
+        return {
+            k: jax.make_array_from_callback(v.shape, s, lambda index, v=v: np.asarray(v[index]))
+            for k, v in local_batch.items()
+        }
     return {
         k: jax.make_array_from_process_local_data(s, np.asarray(v)) for k, v in local_batch.items()
     }

@@ -11,13 +11,15 @@ import jax
 from gpt_oss_train.training import data as data_lib
 
 
-def eval_loss(eval_step, params, batches: Iterable[dict], mesh, rules) -> dict:
-    """Sums eval_step's (nll, tokens) over the local batches (as the pipeline yields them)
-    -> {"loss", "tokens", "batches"}; loss is None when no token was scored."""
+def eval_loss(eval_step, params, batches: Iterable[dict], mesh, rules, *, whole=False) -> dict:
+    """Sums eval_step's (nll, tokens) over the local batches (as the pipeline yields them;
+    whole: Pipeline.whole_batches) -> {"loss", "tokens", "batches"}; loss is None when no
+    token was scored."""
     nll = tokens = 0.0
     n = 0
     for local in batches:
-        a, b = jax.device_get(eval_step(params, data_lib.global_batch(local, mesh, rules)))
+        batch = data_lib.global_batch(local, mesh, rules, whole=whole)
+        a, b = jax.device_get(eval_step(params, batch))
         nll, tokens, n = nll + float(a), tokens + float(b), n + 1
     return {"loss": nll / tokens if tokens else None, "tokens": int(tokens), "batches": n}
 
@@ -60,4 +62,6 @@ def evaluate(setup, params) -> float | None:
         max_docs=c.data.max_docs,
     )
     batches = take(pipeline, c.train.eval_batches)
-    return eval_loss(setup.eval_step, params, batches, setup.mesh, setup.rules)["loss"]
+    return eval_loss(
+        setup.eval_step, params, batches, setup.mesh, setup.rules, whole=pipeline.whole_batches
+    )["loss"]

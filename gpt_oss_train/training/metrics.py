@@ -9,6 +9,8 @@ import os
 import time
 from typing import Any, Callable, Mapping
 
+from gpt_oss_train.io import storage
+
 # --------------------------------------------------------------------------
 # Metrics sink: JSONL + TensorBoard + console
 # --------------------------------------------------------------------------
@@ -67,18 +69,22 @@ def _default_console(line: str) -> None:
 class MetricsWriter:
     """Writes each call's scalars to ``metrics.jsonl``, TensorBoard and the console.
 
-    ``<workdir>/metrics.jsonl`` gets one JSON object per ``write`` with keys
-    ``step``, ``time`` (Unix seconds) and the scalars, flushed at once and
-    appended to on resume (a restarted run may repeat steps: readers should
-    keep the last line for a step, as ``read_metrics_jsonl`` does).
-    Non-finite and None values are stored as JSON null. ``<workdir>/tensorboard/``
-    gets event files through tensorboard's own writer (no TensorFlow needed);
-    None values are left out there. Each call also emits one console line
-    (``step s/total | loss .. | other scalars .. | eta ..``) through ``console``
-    (default: absl ``logging.info`` in an absl app, else ``print``); the ETA
-    uses the step rate between the last ``eta_window`` calls, so a compile
-    before the first call does not count, and ``clock`` is there for tests.
-    On a non-primary process every method is a no-op and nothing is created.
+    ``<workdir>/metrics.jsonl`` (local or gs://, through io/storage.py) gets one JSON
+    object per ``write`` with keys ``step``, ``time`` (Unix seconds) and the scalars,
+    flushed at once. A resumed run passes ``resume_step``: the lines after it (steps the
+    run will replay) are dropped first, so each step appears once; readers may still keep
+    the last line for a step, as ``read_metrics_jsonl`` does, for files of older runs.
+    Non-finite and None values are stored as JSON null. ``<workdir>/tensorboard/`` gets
+    event files through tensorboard's own record writer (no TensorFlow needed), one new
+    file per writer, which starts, on resume, with a session-start event at the first
+    replayed step so TensorBoard drops the old events from there; None values are left
+    out there. Each call also emits one console line (``step s/total | loss .. | other
+    scalars .. | eta ..``) through ``console`` (default: absl ``logging.info`` in an absl
+    app, else ``print``); the ETA uses the step rate between the last ``eta_window``
+    calls, so a compile before the first call does not count, and ``clock`` is there for
+    tests. A write that fails (a full disk) is warned about once and the run goes on; the
+    console line is still shown. On a non-primary process every method is a no-op and
+    nothing is created.
     """
 
     def __init__(
@@ -90,8 +96,9 @@ class MetricsWriter:
         eta_window: int = 20,
         console: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        resume_step: int | None = None,
     ):
-        self.workdir = os.fspath(workdir)
+        self.workdir = storage.normalize(workdir)
         self.is_primary = bool(is_primary)
         self.total_steps = total_steps
         self._console = console or _default_console
@@ -101,16 +108,16 @@ class MetricsWriter:
         )
         self._jsonl = None
         self._tb = None
+        self._write_failed = False
         if not self.is_primary:
             return
-        os.makedirs(self.workdir, exist_ok=True)
-        self.jsonl_path = os.path.join(self.workdir, "metrics.jsonl")
-        self.tensorboard_dir = os.path.join(self.workdir, "tensorboard")
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
-
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-        self._tb = EventFileWriter(self.tensorboard_dir)
+        storage.makedirs(self.workdir)
+        self.jsonl_path = storage.join(self.workdir, "metrics.jsonl")
+        self.tensorboard_dir = storage.join(self.workdir, "tensorboard")
+        if resume_step is not None:
+            _drop_after(self.jsonl_path, resume_step)
+        self._jsonl = storage.open(self.jsonl_path, "a")
+        self._tb = _event_file(self.tensorboard_dir, resume_step)
 
     # -- public API ---------------------------------------------------------
 
@@ -127,10 +134,18 @@ class MetricsWriter:
         record: dict[str, Any] = {"step": step, "time": now}
         for k, v in values.items():
             record[k] = v if v is None or math.isfinite(v) else None
-        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl.flush()
+            self._write_tensorboard(step, now, values)
+        except OSError as e:  # a full disk must not stop the run; the checkpoints decide
+            if not self._write_failed:
+                self._write_failed = True
+                from absl import logging
 
-        self._write_tensorboard(step, now, values)
+                logging.warning(
+                    "%s: writing metrics failed (%s); the console still shows them", self.workdir, e
+                )
         self._times.append((step, self._clock()))
         self._console(self._console_line(step, values))
 
@@ -145,18 +160,18 @@ class MetricsWriter:
         return max(0, self.total_steps - s1) * seconds_per_step
 
     def flush(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.flush()
-        if self._tb is not None:
-            self._tb.flush()
+        for f in (self._jsonl, self._tb):
+            if f is not None:
+                f.flush()
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        files, self._jsonl, self._tb = (self._jsonl, self._tb), None, None
+        for f in files:
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass  # already warned about by write
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -175,9 +190,8 @@ class MetricsWriter:
         ]
         if not summary_values:
             return
-        self._tb.add_event(
-            Event(wall_time=wall_time, step=step, summary=Summary(value=summary_values))
-        )
+        event = Event(wall_time=wall_time, step=step, summary=Summary(value=summary_values))
+        self._tb.write(event.SerializeToString())
         self._tb.flush()  # so a killed run keeps what it logged
 
     def _console_line(self, step: int, values: Mapping[str, Any]) -> str:
@@ -192,6 +206,49 @@ class MetricsWriter:
         return " | ".join(parts)
 
 
+def _event_file(logdir: str, resume_step: int | None):
+    """A new TensorBoard event file in `logdir` (local or a URL), written through storage:
+    tensorboard's EventFileWriter, without TensorFlow, overwrites instead of appending on
+    gs://. The name is unique per writer (time, host, pid, random)."""
+    import socket
+    import uuid
+
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    now = time.time()
+    # TensorBoard reads a folder's event files in name order: microseconds keep two
+    # writers of one second (a quick resume) in the order they started.
+    stamp = f"{now:.6f}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    writer = RecordWriter(storage.open(storage.join(logdir, f"events.out.tfevents.{stamp}"), "ab"))
+    writer.write(Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+    if resume_step is not None:
+        # TensorBoard drops the older events from this step on (they are being replayed).
+        start = Event(
+            wall_time=now, step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)
+        )
+        writer.write(start.SerializeToString())
+    writer.flush()
+    return writer
+
+
+def _drop_after(path: str, step: int) -> None:
+    """Rewrites metrics.jsonl without the lines of steps after `step` (and any truncated
+    line a killed run left), so a resumed run writes each replayed step once."""
+    if not storage.exists(path):
+        return
+    text = storage.read_text(path)
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # blank or truncated
+    if "".join(kept) != text:
+        storage.write_atomic(path, "".join(kept))
+
+
 def read_metrics_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Read a ``metrics.jsonl`` as a resumed run's history, ordered by step.
 
@@ -201,7 +258,7 @@ def read_metrics_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     mid-write) is skipped.
     """
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
+    with storage.open(path, "r") as f:
         for line in f:
             line = line.strip()
             if not line:

@@ -38,6 +38,9 @@ import grain
 import numpy as np
 from absl import logging
 
+from gpt_oss_train.errors import UserError, json_error
+from gpt_oss_train.io import storage
+
 TEXT_SUFFIXES = frozenset(
     ".txt .text .md .markdown .rst .tex .py .pyi .c .h .cc .cpp .hpp .java .js .ts .go "
     ".rs .rb .sh .html .css .toml .yaml .yml .cfg .ini .csv".split()
@@ -48,7 +51,7 @@ META_FORMAT = "gpt_oss_train/pretokenized-v1"
 TOKENIZER_NAME = "o200k_harmony"
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A problem with the user's data or data spec, found before training starts."""
 
 
@@ -167,9 +170,7 @@ class JsonlFiles:
                     try:
                         obj = json.loads(text)
                     except json.JSONDecodeError as e:
-                        raise DataError(
-                            f"{where}: not valid JSON ({e.msg} at column {e.colno})"
-                        ) from None
+                        raise DataError(f"{where}: {json_error(e)}") from None
                     self._nonempty += self._check(obj, where, chat_only)
                     file_idx.append(f_i)
                     offsets.append(start)
@@ -398,7 +399,7 @@ def _expand(spec: str) -> tuple[list[str], bool]:
 
 def _read_meta(path: str) -> dict:
     try:
-        meta = json.loads(pathlib.Path(path).read_text())
+        meta = json.loads(storage.read_text(path))
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: unreadable ({e}); pre-tokenize the corpus again") from None
     if meta.get("format") != META_FORMAT or meta.get("dtype") != "int32":
@@ -415,9 +416,11 @@ def _read_meta(path: str) -> dict:
 
 
 def _pretokenized_dir(directory: str) -> TokenRecords:
-    meta = _read_meta(os.path.join(directory, META_FILE))
-    files = [os.path.join(directory, f) for f in meta["files"]]
-    missing = [f for f in files if not os.path.isfile(f)]
+    """A folder tools/pretokenize.py wrote, local or gs:// (ArrayRecord reads gs:// itself,
+    through google-cloud-cpp)."""
+    meta = _read_meta(storage.join(directory, META_FILE))
+    files = [storage.join(directory, f) for f in meta["files"]]
+    missing = [f for f in files if not storage.exists(f)]
     if missing:
         raise DataError(f"{directory}: {META_FILE} lists files that are missing: {missing[:3]}")
     return TokenRecords(files, directory, has_mask=bool(meta["loss_mask"]))
@@ -471,6 +474,13 @@ def make_source(spec: str, *, split: str = "train"):
     elif spec.startswith("tfds:"):
         name, tfds_split, feature = _parse_tfds(spec[len("tfds:") :])
         source = TfdsSource(name, tfds_split, feature, split)
+    elif storage.is_remote(spec.removeprefix("chat:")):
+        if spec.startswith("chat:") or not storage.exists(storage.join(spec, META_FILE)):
+            raise DataError(
+                f"{spec}: from cloud storage only folders written by tools/pretokenize.py "
+                f"(with {META_FILE}) are read; pre-tokenize the corpus, or copy it to local disk"
+            )
+        source = _pretokenized_dir(storage.normalize(spec))
     elif spec.startswith("chat:"):
         files, single = _expand(spec[len("chat:") :])
         files = files if single else [f for f in files if f.endswith(".jsonl")]

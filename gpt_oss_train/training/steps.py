@@ -85,7 +85,16 @@ def make_loss_fn(model_def: ModelDef, t):
     return loss_fn
 
 
+def update_if_finite(finite, new, old):
+    """`new` if `finite` else `old`, leaf by leaf: a step whose loss or gradient norm is
+    not finite leaves the parameters and optimizer state exactly as they were (the select
+    fuses into the update; the step counter and the data still advance)."""
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+
 def make_train_step(model_def: ModelDef, tx, schedule, t):
+    """(state, batch) -> (state, metrics). metrics["skipped"] is 1.0 when the loss or the
+    gradient norm was not finite and the update was skipped (update_if_finite)."""
     loss_fn = make_loss_fn(model_def, t)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -118,6 +127,11 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
             "learning_rate": schedule(state["step"]),
             "tokens": stats["tokens"],
         }
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        params, opt_state = update_if_finite(
+            finite, (params, opt_state), (state["params"], state["opt_state"])
+        )
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     return train_step

@@ -18,7 +18,8 @@ import numpy as np
 from absl import logging
 
 from gpt_oss_train import sharding
-from gpt_oss_train.inference.engine import (
+from gpt_oss_train.inference.generate import Generator, cache_length
+from gpt_oss_train.inference.loading import (
     TEXT_STOP_IDS,
     DecodeError,
     LoadedModel,
@@ -31,7 +32,6 @@ from gpt_oss_train.inference.engine import (
     stop_slots,
     tokenizer,
 )
-from gpt_oss_train.inference.generate import Generator, cache_length
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.model.transformer import DTYPES
 from gpt_oss_train.training import data as data_lib

@@ -1,9 +1,9 @@
-"""The inference engine's model side: a checkpoint loaded onto a mesh, the run-time
-options decoding shares, its limits, and the helpers that turn generated ids into text.
+"""Loading a model for inference: a checkpoint placed on a mesh, the run-time options
+decoding shares, its limits, and the helpers that turn generated ids into text.
 
 `decode.py` (the CLI), the JSONL modes (requests.py), chat, the benchmarks and the
-server all start from `load_model`. The architecture always comes from the checkpoint;
-the runtime config only says how to run it (mesh, dtype, kernels).
+serving engine (engine.py) all start from `load_model`. The architecture always comes
+from the checkpoint; the runtime config only says how to run it (mesh, dtype, kernels).
 """
 
 from __future__ import annotations
@@ -166,9 +166,15 @@ def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devi
 
 
 def load_model(
-    path: str, config=None, *, dtype: str | None = None, int8_weights: bool = False
+    path: str,
+    config=None,
+    *,
+    dtype: str | None = None,
+    int8_weights: bool = False,
+    devices=None,
 ) -> LoadedModel:
-    """The checkpoint's parameters, placed on the mesh of the runtime config."""
+    """The checkpoint's parameters, placed on the mesh of the runtime config (over
+    `devices`, default the local ones)."""
     config = runtime_config(config, dtype)
     kind = checkpoint_kind(path)
     arch = read_architecture(path, kind)
@@ -184,7 +190,7 @@ def load_model(
         except (ValueError, OSError) as e:
             raise DecodeError(f"--checkpoint={path}: {e}") from None
 
-    return _place(config, arch, read, kind, os.path.abspath(path), int8_weights)
+    return _place(config, arch, read, kind, os.path.abspath(path), int8_weights, devices)
 
 
 def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:

@@ -19,13 +19,13 @@ import os
 from absl import app, flags, logging
 
 from gpt_oss_train import errors, logs
-from gpt_oss_train.inference import engine as engine_lib
-from gpt_oss_train.inference.engine import DecodeError
+from gpt_oss_train.inference import loading
+from gpt_oss_train.inference.loading import DecodeError
 
 
 def get_config():
     """The runtime config without --config (this file is --config's default)."""
-    return engine_lib.default_runtime_config()
+    return loading.default_runtime_config()
 
 
 def _define_flags():
@@ -102,8 +102,8 @@ def _run(f) -> int:
     from gpt_oss_train.inference.server.app import create_app
 
     _check_flags(f)
-    kind = engine_lib.checkpoint_kind(f.checkpoint)
-    arch = engine_lib.read_architecture(f.checkpoint, kind)
+    kind = loading.checkpoint_kind(f.checkpoint)
+    arch = loading.read_architecture(f.checkpoint, kind)
     if f.max_context > arch["max_position_embeddings"]:
         raise DecodeError(
             f"--max_context={f.max_context} exceeds the model's max_position_embeddings="
@@ -114,7 +114,7 @@ def _run(f) -> int:
     eng.start()
     app_ = create_app(
         eng,
-        tokenizer=engine_lib.tokenizer(),
+        tokenizer=loading.tokenizer(),
         model_name=name,
         max_context=f.max_context,
         vocab_size=arch["vocab_size"],

@@ -100,7 +100,9 @@ async def _prompt_scores(state, req, prompts) -> list[list[float] | None]:
 
 
 def _params(state, req, prompts):
-    from gpt_oss_train.inference.engine import TEXT_STOP_IDS, RequestParams
+    from gpt_oss_train.inference.engine import RequestParams
+
+    from gpt_oss_train.inference.loading import TEXT_STOP_IDS
 
     out = []
     for p in prompts:

@@ -121,3 +121,12 @@ def mxfp4_reference():
     """(fp4(code) -> float, dequantize(blocks, scales) -> float64 [..., in, out]): MXFP4
     decoded from the OCP spec's bit fields by loops, independent of io/mxfp4.py."""
     return _fp4, _dequant_ref
+
+
+@pytest.fixture(scope="session")
+def harmony_checkpoint():
+    """A float32 HF folder of a tiny gpt-oss that has memorised the Harmony conversations in
+    tests/harmony_model.py (trained once, ~3 min on 2 cores, then cached under the temp dir)."""
+    import harmony_model
+
+    return harmony_model.cached()

@@ -41,7 +41,7 @@ class _Choice:
         if self.finish is not None:
             return []
         deltas = []
-        if ev.token is not None and not self.stream.stopped:
+        if generation.has_token(ev) and not self.stream.stopped:
             self.tokens.append(ev.token)
             if self.want_logprobs:
                 self.logprobs.append(

@@ -12,7 +12,7 @@ import time
 
 from fastapi import FastAPI, Request
 
-from gpt_oss_train.inference.server import generation
+from gpt_oss_train.inference.server import generation, prompt_logprobs
 from gpt_oss_train.inference.server.errors import APIError, bad_request
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
 from gpt_oss_train.inference.server.schemas import CompletionRequest
@@ -63,12 +63,13 @@ class _Choice:
         self.text, self.tokens, self.finish = "", [], None
         self.logprobs = _Logprobs(req.logprobs) if req.logprobs is not None else None
 
-    def echo(self, prompt_logprobs: list[float] | None) -> str:
+    def echo(self, scored) -> str:
+        """The prompt as the start of the text, and its logprobs rows (the first null)."""
         text = decode(self.prompt)
         if self.logprobs is not None:
-            lps = [None] + list(prompt_logprobs or [])
-            for t, lp in zip(self.prompt, lps):
-                top = None if lp is None else [(t, lp)]
+            logprobs, tops = scored
+            for i, t in enumerate(self.prompt):
+                lp, top = (None, None) if i == 0 else (logprobs[i - 1], tops[i - 1])
                 self.logprobs.add(t, lp, top, decode([t]))
         return text
 
@@ -77,7 +78,7 @@ class _Choice:
         if self.finish is not None:
             return ""
         new = ""
-        if ev.token is not None and not self.stop.stopped:
+        if generation.has_token(ev) and not self.stop.stopped:
             piece = self.detok.push(ev.token)
             self.tokens.append(ev.token)
             if self.logprobs is not None:
@@ -93,10 +94,20 @@ class _Choice:
         return new
 
 
-async def _prompt_scores(state, req, prompts) -> list[list[float] | None]:
+def _score(state, prompt: list[int], k: int):
+    """(log p of each prompt token after the first, the k most likely at each position)."""
+    if len(prompt) < 2:
+        return [], []
+    logprobs = state.engine.score(prompt)
+    if not k:
+        return logprobs, [[] for _ in logprobs]
+    return logprobs, prompt_logprobs.top_logprobs(state.engine.model, prompt, k)
+
+
+async def _prompt_scores(state, req, prompts) -> list:
     if not (req.echo and req.logprobs is not None):
         return [None] * len(prompts)
-    return [await asyncio.to_thread(state.engine.score, p) for p in prompts]
+    return [await asyncio.to_thread(_score, state, p, req.logprobs) for p in prompts]
 
 
 def _params(state, req, prompts):

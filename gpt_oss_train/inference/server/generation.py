@@ -35,6 +35,11 @@ class ServerState:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
+def has_token(ev) -> bool:
+    """False for a last event that carries no token (a cancelled or failed request)."""
+    return ev.token is not None and ev.token >= 0
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -95,7 +100,7 @@ async def merged(handles: list, metrics: Metrics, start: float) -> AsyncIterator
         clock = TokenClock(metrics, start)
         try:
             async for ev in h:
-                if ev.finish_reason is None or ev.token is not None:
+                if has_token(ev):
                     clock.tick()
                 await queue.put((i, ev))
         finally:

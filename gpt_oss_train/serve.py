@@ -42,6 +42,9 @@ def _define_flags():
     flags.DEFINE_integer("max_context", 4096, "Most positions (prompt + output) per request.")
     flags.DEFINE_integer("prefill_chunk", 256, "Most prompt tokens per prefill step.")
     flags.DEFINE_integer("max_queue", 0, "Most requests waiting for a slot (0: the engine's).")
+    flags.DEFINE_integer(
+        "prefix_cache_tokens", -1, "Prompt tokens kept for reuse (-1: the engine's, 0: off)."
+    )
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype.")
     flags.DEFINE_bool("int8_weights", False, "int8 weight-only quantized matmuls.")
     flags.DEFINE_bool("int8_kv_cache", False, "int8 KV cache.")
@@ -73,6 +76,8 @@ def _engine(f):
     )
     if f.max_queue:
         kw["max_queue"] = f.max_queue
+    if f.prefix_cache_tokens >= 0:
+        kw["prefix_cache_tokens"] = f.prefix_cache_tokens
     return Engine.from_checkpoint(f.checkpoint, **kw)
 
 

@@ -101,7 +101,14 @@ def _score(state, prompt: list[int], k: int):
     logprobs = state.engine.score(prompt)
     if not k:
         return logprobs, [[] for _ in logprobs]
-    return logprobs, prompt_logprobs.top_logprobs(state.engine.model, prompt, k)
+    tops = prompt_logprobs.top_logprobs(state.engine.model, prompt, k)
+    # The prompt token among the alternatives carries the very number token_logprobs
+    # reports (the two forward passes may differ in the last bit), so "is it the most
+    # likely token?" compares equal numbers.
+    return logprobs, [
+        [(t, lp if t != nxt else chosen) for t, lp in top]
+        for top, nxt, chosen in zip(tops, prompt[1:], logprobs)
+    ]
 
 
 async def _prompt_scores(state, req, prompts) -> list:

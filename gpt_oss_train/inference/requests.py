@@ -245,7 +245,7 @@ def exit_code(records: list[dict]) -> int:
     return 1 if records and all("error" in r for r in records) else 0
 
 
-def _score_fn(model: LoadedModel):
+def score_fn(model: LoadedModel):
     """jit(params, inputs, targets, positions, segment_ids) -> log p(target) [b, s]."""
     md, chunk = model.md, model.config.train.loss_chunk_size
     dtype = DTYPES[model.cfg.dtype]
@@ -315,7 +315,7 @@ def run_score(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
     parse = lambda i, raw: parse_score_line(raw, vocab_size=vocab, limit=limit)
     results, todo = _parse_lines(data, parse)
     todo.sort(key=lambda x: len(x[1]))
-    fn = model.kept("scorer", lambda: _score_fn(model))
+    fn = model.kept("scorer", lambda: score_fn(model))
     for start in range(0, len(todo), opts.batch_size):
         batch = todo[start : start + opts.batch_size]
         rows = batch_rows(len(batch), opts.batch_size)

@@ -44,7 +44,7 @@ def server(harmony_checkpoint, tmp_path_factory):
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
-        wait_ready(f"http://127.0.0.1:{port}", 300, proc)
+        wait_ready(f"http://127.0.0.1:{port}", 900, proc)
     except Exception:
         log.seek(0)
         proc.kill()

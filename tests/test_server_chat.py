@@ -23,7 +23,6 @@ GREEDY = {"temperature": 0, "extra_body": {"return_token_ids": True}}
 @pytest.fixture(scope="module")
 def server(harmony_checkpoint):
     from gpt_oss_train.inference.engine import Engine
-
     from gpt_oss_train.inference.server.app import create_app
     from gpt_oss_train.inference.server.local import ThreadServer
 

@@ -20,7 +20,6 @@ MODEL = "tiny-harmony"
 @pytest.fixture(scope="module")
 def server(harmony_checkpoint):
     from gpt_oss_train.inference.engine import Engine
-
     from gpt_oss_train.inference.server.app import create_app
     from gpt_oss_train.inference.server.local import ThreadServer
 

@@ -119,7 +119,6 @@ async def _prompt_scores(state, req, prompts) -> list:
 
 def _params(state, req, prompts):
     from gpt_oss_train.inference.engine import RequestParams
-
     from gpt_oss_train.inference.loading import TEXT_STOP_IDS
 
     out = []

@@ -6,7 +6,7 @@ Hugging Face checkpoint and the same requests (localhost only, a fixed number of
 
 Requests: text prompts of whole-word tokens (so every tokenizer gives the same ids) with
 prompt and output lengths drawn from a seeded distribution; greedy, streamed. At each
-concurrency N clients send requests back to back until `--requests` (at least 2 N) are
+concurrency N clients send requests back to back until `--requests` (at least N) are
 done. Reported per system and concurrency: output tokens/s, requests/s, time to first
 token and inter-token latency p50 / p99. Also: decode --mode=generate's code on all the
 requests as one static batch (run twice in one process, the second timed), and the time
@@ -34,7 +34,7 @@ from gpt_oss_train.inference.server.local import free_port, wait_ready
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "HF folder (default: a random tiny one in a temp dir).")
 flags.DEFINE_list("concurrency", ["1", "4", "16", "64"], "Concurrent clients per run.")
-flags.DEFINE_integer("requests", 64, "Requests per concurrency (at least 2 x concurrency).")
+flags.DEFINE_integer("requests", 24, "Requests per concurrency (at least the concurrency).")
 flags.DEFINE_integer("seed", 0, "Seed of the request lengths and prompts.")
 flags.DEFINE_integer("max_slots", 16, "Our server's decode slots.")
 flags.DEFINE_string("out", "docs/load_test", "Output prefix (.json, .png).")
@@ -44,7 +44,7 @@ flags.DEFINE_enum("mode", "all", ["all", "static"], "static: the static-batch ch
 flags.DEFINE_string("static_input", None, "static mode: requests JSON.")
 
 PROMPT_LENGTHS = (32, 64, 128, 256, 512)
-OUTPUT_LENGTHS = (16, 32, 64, 128)
+OUTPUT_LENGTHS = (16, 32, 64)
 MAX_CONTEXT = 2048
 
 
@@ -120,7 +120,8 @@ def ours(ckpt: str, port: int) -> list[str]:
 
 
 def transformers_serve(ckpt: str, port: int) -> list[str]:
-    cmd = ["transformers", "serve", ckpt, "--device", "cpu", "--dtype", "float32",
+    exe = os.path.join(os.path.dirname(sys.executable), "transformers")  # the venv's CLI
+    cmd = [exe, "serve", ckpt, "--device", "cpu", "--dtype", "float32",
            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
     return cmd + (["--continuous-batching"] if FLAGS.transformers_cb else [])
 
@@ -133,7 +134,7 @@ def measure_server(name, cmd_fn, ckpt, reqs, levels, model, workdir) -> dict:
         load_client.run_level(url, model, reqs[:2], 1)  # warm-up: compile, first load
         rows = {}
         for c in levels:
-            n = max(FLAGS.requests, 2 * c)
+            n = max(FLAGS.requests, c)
             rows[c] = load_client.run_level(url, model, (reqs * 4)[:n], c)
             print(f"{name} c={c}: {load_client.fmt(rows[c])}", flush=True)
         extra = load_client.prefix_cache_ttft(url, model, reqs) if name == "ours" else {}
@@ -184,7 +185,7 @@ def main(argv):
     levels = [int(c) for c in FLAGS.concurrency]
     workdir = tempfile.mkdtemp(prefix="load_test_")
     ckpt = FLAGS.checkpoint or random_checkpoint(os.path.join(workdir, "model"))
-    reqs = make_requests(max(FLAGS.requests, 2 * max(levels)), FLAGS.seed, tok_lib.Tokenizer())
+    reqs = make_requests(max(FLAGS.requests, max(levels)), FLAGS.seed, tok_lib.Tokenizer())
     results = {"checkpoint": ckpt, "requests": FLAGS.requests, "seed": FLAGS.seed,
                "max_slots": FLAGS.max_slots, "systems": {}}  # fmt: skip
     results["systems"]["ours"] = measure_server("ours", ours, ckpt, reqs, levels, "model", workdir)

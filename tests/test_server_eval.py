@@ -18,25 +18,8 @@ MODEL = "tiny-harmony"
 
 
 @pytest.fixture(scope="module")
-def server(harmony_checkpoint):
-    from gpt_oss_train.inference.engine import Engine
-    from gpt_oss_train.inference.server.app import create_app
-    from gpt_oss_train.inference.server.local import ThreadServer
-
-    engine = Engine.from_checkpoint(
-        harmony_checkpoint, dtype="float32", max_slots=4, max_context=512, prefill_chunk=64
-    )
-    engine.start()
-    app = create_app(
-        engine,
-        tokenizer=tok_lib.Tokenizer(),
-        model_name=MODEL,
-        max_context=512,
-        vocab_size=tok_lib.VOCAB_SIZE,
-    )
-    with ThreadServer(app) as s:
-        yield s
-    engine.stop(0)
+def server(harmony_server):
+    return harmony_server
 
 
 def _evaluate(model: str, model_args: dict, task: str, **kw) -> dict:

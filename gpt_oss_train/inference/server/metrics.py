@@ -3,7 +3,7 @@
 Counted by the HTTP layer as requests pass through it: requests by endpoint and status,
 prompt and generated tokens, time to first token and inter-token latency (seconds, from
 the request's arrival as the client sees them). Read from the engine at scrape time:
-queue depth and busy decode slots.
+queue depth, busy decode slots, and the engine's step and prefix-cache counters.
 """
 
 from __future__ import annotations
@@ -13,13 +13,24 @@ from typing import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "gpt_oss"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # No `*_created` series next to each counter: they double the output and nobody graphs them.
 prometheus_client.disable_created_metrics()
+
+
+# The engine's own counters: how much prompt work the prefix cache saved, and how full
+# each compiled step ran (generated tokens / decode steps = slots busy per step).
+_ENGINE_COUNTERS = (
+    ("prefill_tokens", "Prompt tokens computed (not taken from the prefix cache)."),
+    ("cached_prompt_tokens", "Prompt tokens restored from the prefix cache."),
+    ("decode_steps", "Compiled decode steps run."),
+    ("prefill_chunks", "Compiled prefill chunks run."),
+    ("prefix_cache_hits", "Requests that reused a cached prefix."),
+)
 
 
 class _EngineGauges:
@@ -37,6 +48,9 @@ class _EngineGauges:
         ):
             if key in s:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s[key]))
+        for key, doc in _ENGINE_COUNTERS:
+            if key in s:
+                yield CounterMetricFamily(f"{PREFIX}_engine_{key}", doc, value=float(s[key]))
 
 
 class Metrics:

@@ -97,6 +97,38 @@ def prefix_cache_ttft(url: str, model: str, reqs: list[dict], repeats: int = 3) 
             "prefix_ttft_cached_s": float(np.median(warm))}  # fmt: skip
 
 
+def counters(url: str) -> dict:
+    """Our server's Prometheus counters (name -> value); {} for a server without them."""
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("GET", "/metrics")
+    r = conn.getresponse()
+    text = r.read().decode() if r.status == 200 else ""
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("gpt_oss_") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def step_profile(before: dict, after: dict, wall: float) -> dict:
+    """What the engine's steps did during a run: tokens per decode step (busy slots), and
+    the wall time per step (decode and prefill steps together)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("gpt_oss_engine_decode_steps_total", 0.0)
+    chunks = d.get("gpt_oss_engine_prefill_chunks_total", 0.0)
+    if not steps:
+        return {}
+    return {
+        "decode_steps": steps,
+        "prefill_chunks": chunks,
+        "tokens_per_decode_step": d.get("gpt_oss_generation_tokens_total", 0.0) / steps,
+        "ms_per_step": 1e3 * wall / (steps + chunks),
+    }
+
+
 def fmt(row: dict) -> str:
     return (
         f"{row['output_tok_s']:.1f} tok/s, {row['requests_s']:.2f} req/s, TTFT p50/p99 "

@@ -135,7 +135,10 @@ def measure_server(name, cmd_fn, ckpt, reqs, levels, model, workdir) -> dict:
         rows = {}
         for c in levels:
             n = max(FLAGS.requests, c)
+            before = load_client.counters(url)
             rows[c] = load_client.run_level(url, model, (reqs * 4)[:n], c)
+            after = load_client.counters(url)
+            rows[c].update(load_client.step_profile(before, after, rows[c]["wall_s"]))
             print(f"{name} c={c}: {load_client.fmt(rows[c])}", flush=True)
         extra = load_client.prefix_cache_ttft(url, model, reqs) if name == "ours" else {}
     finally:

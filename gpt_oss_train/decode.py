@@ -61,16 +61,16 @@ import sys
 from absl import app, flags, logging
 
 from gpt_oss_train import errors, logs, runtime
-from gpt_oss_train.inference import engine, requests
-from gpt_oss_train.inference.engine import DecodeError, Options
+from gpt_oss_train.inference import loading, requests
 from gpt_oss_train.inference.generate import SamplingParams
+from gpt_oss_train.inference.loading import DecodeError, Options
 
 MODES = ("generate", "score", "chat", "benchmark")
 
 
 def get_config():
     """The runtime config without --config (this file is --config's default)."""
-    return engine.default_runtime_config()
+    return loading.default_runtime_config()
 
 
 def _define_flags():
@@ -204,7 +204,7 @@ def _write_jsonl(records: list[dict], path: str | None):
 
 def _run(f) -> int:
     opts = _check_flags(f)
-    kind = engine.checkpoint_kind(f.checkpoint)
+    kind = loading.checkpoint_kind(f.checkpoint)
     if f.compare_hf and kind != "hf":
         raise DecodeError(
             f"--compare_hf needs a Hugging Face folder; {f.checkpoint} is an Orbax checkpoint"
@@ -214,9 +214,9 @@ def _run(f) -> int:
         _positive_ints(f.prompt_lengths, "prompt_lengths")
     if f.mode == "chat":
         logs.conversation_only()
-    arch = engine.read_architecture(f.checkpoint, kind)
-    engine.cache_limit(arch["max_position_embeddings"], opts)
-    load = lambda: engine.load_model(
+    arch = loading.read_architecture(f.checkpoint, kind)
+    loading.cache_limit(arch["max_position_embeddings"], opts)
+    load = lambda: loading.load_model(
         f.checkpoint, f["config"].value, dtype=f.dtype, int8_weights=f.int8_weights
     )
     if f.mode == "benchmark":

@@ -281,3 +281,37 @@ def run_tool_json():
     """run(script, *args) -> the JSON records tools/<script> prints, run on the CPU as a
     user would (a subprocess); fails the test on a non-zero exit."""
     return _run_tool_json
+
+
+@pytest.fixture(scope="session")
+def harmony_checkpoint():
+    """A float32 HF folder of a tiny gpt-oss that has memorised the Harmony conversations in
+    tests/harmony_model.py (trained once, ~3 min on 2 cores, then cached under the temp dir)."""
+    import harmony_model
+
+    return harmony_model.cached()
+
+
+@pytest.fixture(scope="session")
+def harmony_server(harmony_checkpoint):
+    """The HTTP server (in a thread, on a free loopback port) over an engine on the
+    harmony_checkpoint model, float32, served as "tiny-harmony"; `.url` is its address."""
+    from gpt_oss_train.inference.engine import Engine
+    from gpt_oss_train.inference.server.app import create_app
+    from gpt_oss_train.inference.server.local import ThreadServer
+    from gpt_oss_train.io import tokenizer as tok_lib
+
+    engine = Engine.from_checkpoint(
+        harmony_checkpoint, dtype="float32", max_slots=4, max_context=512, prefill_chunk=64
+    )
+    engine.start()
+    app = create_app(
+        engine,
+        tokenizer=tok_lib.Tokenizer(),
+        model_name="tiny-harmony",
+        max_context=512,
+        vocab_size=tok_lib.VOCAB_SIZE,
+    )
+    with ThreadServer(app) as server:
+        yield server
+    engine.stop(0)

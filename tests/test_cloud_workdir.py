@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
-from gpt_oss_train.inference import engine
+from gpt_oss_train.inference import loading
 from gpt_oss_train.io import storage
 from gpt_oss_train.model.transformer import ModelDef
 from gpt_oss_train.training import checkpoint as ckpt_lib
@@ -77,7 +77,7 @@ def test_init_from_and_decode_read_a_bucket_checkpoint(runs, small_config, tmp_p
     finally:
         fine_tune.close()
 
-    model = engine.load_model(bucket, small_config(), dtype="float32")
+    model = loading.load_model(bucket, small_config(), dtype="float32")
     assert model.kind == "orbax" and model.path == bucket
     assert all(map(np.array_equal, leaves(model.params), want))
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt_oss_train.inference import chat, engine, requests
+from gpt_oss_train.inference import chat, loading, requests
 from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io.tokenizer import Tokenizer
 
@@ -39,7 +39,7 @@ def hf_dir(tmp_path_factory, random_hf_model):
 
 @pytest.fixture(scope="module")
 def hf_model(hf_dir):
-    return engine.load_model(hf_dir[0], dtype="float32")
+    return loading.load_model(hf_dir[0], dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def _cli(*args, stdin=None, timeout=170):
 
 # One prefill chunk, cache bucket and length for most tests: every new shape compiles
 # (seconds each on a small CPU), so tests share them where what they check allows.
-OPTS = engine.Options(max_new_tokens=6, batch_size=4, prefill_chunk=16)
+OPTS = loading.Options(max_new_tokens=6, batch_size=4, prefill_chunk=16)
 
 
 # ----------------------------------------------------------------------------- generate
@@ -163,8 +163,8 @@ def test_bad_lines_get_errors_and_the_rest_runs(hf_model):
 
 
 def test_int8_weights_and_kv_cache(hf_dir, hf_model):
-    q = engine.load_model(hf_dir[0], dtype="float32", int8_weights=True)
-    opts = engine.Options(max_new_tokens=5, batch_size=2, int8_kv_cache=True)
+    q = loading.load_model(hf_dir[0], dtype="float32", int8_weights=True)
+    opts = loading.Options(max_new_tokens=5, batch_size=2, int8_kv_cache=True)
     rec = requests.run_generate(q, _jsonl({"tokens": [1, 2, 3, 4]}), opts)[0]
     assert len(rec["tokens"]) == 5
     line = _jsonl({"tokens": list(range(1, 30))})
@@ -199,7 +199,7 @@ def test_score_matches_transformers(hf_dir, hf_model):
 def test_score_of_text_equals_training_loss(workdir):
     from gpt_oss_train.training.steps import make_loss_fn  # what the train step uses
 
-    model = engine.load_model(workdir, dtype="float32")
+    model = loading.load_model(workdir, dtype="float32")
     text = "def add(a, b):\n    return a + b\n"
     rec = requests.run_score(model, _jsonl({"text": text}), OPTS)[0]
     ids = np.asarray(Tokenizer().encode(text), np.int32)
@@ -211,7 +211,7 @@ def test_score_of_text_equals_training_loss(workdir):
         "segment_ids": np.ones((1, n), np.int32),
         "loss_mask": np.ones((1, n), np.int32),
     }
-    loss_fn = make_loss_fn(model.md, engine.default_runtime_config().train)
+    loss_fn = make_loss_fn(model.md, loading.default_runtime_config().train)
     with model.scope():
         _, stats = jax.jit(loss_fn)(model.params, batch)
     assert float(stats["tokens"]) == n

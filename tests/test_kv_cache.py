@@ -6,18 +6,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gpt_oss_train.inference import engine
+from gpt_oss_train.inference import loading
 from gpt_oss_train.model import kv_cache
 
 PROMPTS = [[5, 9, 200, 17, 3, 3, 8], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [7] * 5]
 
 
 def _model(mesh, devices):
-    config = engine.default_runtime_config()
+    config = loading.default_runtime_config()
     config.dtype = "float32"
     config.model.update(vocab_size=512, num_experts=8, sliding_window=4)
     config.mesh.update(mesh)
-    return engine.random_model(config, devices=devices)
+    return loading.random_model(config, devices=devices)
 
 
 def test_cache_is_sharded_by_rules_and_decoding_matches_one_device():

@@ -211,7 +211,7 @@ def test_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_resum
     damaged = digest(step4)
     good = digest(workdir / "checkpoints" / "2")
 
-    # decode's reader (ckpt_lib.load_params, which engine.load_model uses) falls back too,
+    # decode's reader (ckpt_lib.load_params, which loading.load_model uses) falls back too,
     # and changes nothing.
     arch = ckpt_lib.read_model_config(str(workdir))
     md = ModelDef(config_lib.ModelConfig.from_config(small_config(), arch))

@@ -194,15 +194,15 @@ def bench_decode(config):
     import numpy as np
 
     from gpt_oss_train import hardware
-    from gpt_oss_train.inference import benchmarking, engine
+    from gpt_oss_train.inference import benchmarking, loading
 
-    model = engine.random_model(config, int8_weights=_INT8.value)
+    model = loading.random_model(config, int8_weights=_INT8.value)
     mc = model.cfg
     kind = jax.devices()[0].device_kind
     bw = hardware.hbm_bandwidth(kind, _PEAK_BW.value)
     if bw is None and jax.devices()[0].platform == "cpu":
         bw = measure_read_bandwidth()
-    opts = engine.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
+    opts = loading.Options(max_new_tokens=_NEW_TOKENS.value, prefill_chunk=512)
     rows = benchmarking.benchmark(
         model,
         batch_sizes=[int(b) for b in _BATCH_SIZES.value],
@@ -247,11 +247,11 @@ def _profile_decode(model, opts):
     """One traced generate call per batch size (already compiled by the benchmark)."""
     import jax
 
-    from gpt_oss_train.inference import benchmarking, engine
+    from gpt_oss_train.inference import benchmarking, loading
     from gpt_oss_train.inference.generate import cache_length
 
     length, new = _PROMPT_LEN.value, _NEW_TOKENS.value
-    gen = model.generator(engine.prefill_chunk_for(opts.prefill_chunk, length), False)
+    gen = model.generator(loading.prefill_chunk_for(opts.prefill_chunk, length), False)
     for batch in [int(b) for b in _BATCH_SIZES.value]:
         prompts = benchmarking.benchmark_prompts(model.cfg.vocab_size, batch, length, opts.seed)
         out_dir = os.path.join(_PROFILE_DIR.value, f"batch{batch}")

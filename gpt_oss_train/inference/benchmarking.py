@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from gpt_oss_train.inference.engine import DecodeError, cache_limit, prefill_chunk_for
 from gpt_oss_train.inference.generate import cache_length
+from gpt_oss_train.inference.loading import DecodeError, cache_limit, prefill_chunk_for
 
 
 def benchmark_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -46,7 +46,7 @@ def benchmark(
 ) -> list[dict]:
     """Per (batch, prompt length): after one warm-up (compilation), the medians over
     `repeats` runs of time to first token, prefill tokens/s and decode tokens/s.
-    `model` is an engine.LoadedModel, `opts` engine.Options."""
+    `model` is a loading.LoadedModel, `opts` loading.Options."""
 
     limit = cache_limit(model.cfg.max_position_embeddings, opts)
     md = model.md

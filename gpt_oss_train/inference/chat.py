@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import sys
 
-from gpt_oss_train.inference import engine
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.generate import cache_length
 from gpt_oss_train.io import tokenizer as tok_lib
 
@@ -104,13 +104,13 @@ class ReplyStream:
 
 
 def run_chat(model, opts, stdin=None, stdout=None) -> int:
-    """The chat loop over a loaded model (engine.LoadedModel) and engine.Options."""
+    """The chat loop over a loaded model (loading.LoadedModel) and loading.Options."""
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     interactive = stdin.isatty()
     tok = tok_lib.Tokenizer()
-    limit = engine.cache_limit(model.cfg.max_position_embeddings, opts)
+    limit = loading.cache_limit(model.cfg.max_position_embeddings, opts)
     stream = ReplyStream(tok, stdout, show_analysis=opts.show_analysis, tty=stdout.isatty())
     gen = model.generator(opts.prefill_chunk, opts.int8_kv_cache, on_token=stream.on_token)
     history: list[dict] = []
@@ -149,7 +149,7 @@ def run_chat(model, opts, stdin=None, stdout=None) -> int:
             out = gen.generate(
                 [prompt],
                 max_new_tokens=opts.max_new_tokens,
-                stop_ids=engine.stop_slots(tok.stop_ids),
+                stop_ids=loading.stop_slots(tok.stop_ids),
                 sampling=opts.sampling,
                 seeds=[(opts.seed + turn) % 2**32],
                 max_len=max_len,
@@ -169,7 +169,7 @@ def run_chat(model, opts, stdin=None, stdout=None) -> int:
             or [
                 {
                     "role": "assistant",
-                    "content": engine.completion_text(out["tokens"], "stop") or "",
+                    "content": loading.completion_text(out["tokens"], "stop") or "",
                 }
             ]
         )

@@ -1,250 +1,358 @@
-"""The inference engine's model side: a checkpoint loaded onto a mesh, the run-time
-options decoding shares, its limits, and the helpers that turn generated ids into text.
+"""The serving engine: continuous batching over a fixed number of decode slots.
 
-`decode.py` (the CLI), the JSONL modes (requests.py), chat, the benchmarks and the
-server all start from `load_model`. The architecture always comes from the checkpoint;
-the runtime config only says how to run it (mesh, dtype, kernels).
+    engine = Engine.from_checkpoint("runs/cpu_tiny", max_slots=8, max_context=4096)
+    engine.start()                                   # compiles every shape, then serves
+    handle = engine.submit(prompt_ids, RequestParams(max_tokens=64, temperature=0.7))
+    for event in handle: ...                         # TokenEvents as they are sampled
+    engine.stop()
+
+Requests wait in a bounded queue and take a slot (a row of the KV cache) as soon as
+one is free. A background thread repeats one round: admit waiting requests (each
+slot's cache emptied, a cached prompt prefix copied in), prefill one chunk of the
+oldest admitted prompt, then one decode step for every slot that is generating, each
+with its own position, sampling settings, stop ids and length limit. So a long prompt
+is prefilled between decode steps and never stalls the streams already running, and a
+finished request frees its slot at once. See engine_steps.py for the compiled
+functions, slots.py for the host-side bookkeeping, prefix_cache.py for prefix reuse.
+
+Greedy results equal `decode --mode=generate` of each prompt alone, and a seeded
+sample depends on its own seed only, whatever else is batched with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import itertools
+import operator
 import os
-from typing import Any, Sequence
+import threading
+import time
+from typing import Sequence
 
 import jax
 from absl import logging
 
-from gpt_oss_train import config as config_lib
-from gpt_oss_train import sharding
-from gpt_oss_train.errors import UserError
-from gpt_oss_train.inference.generate import Generator, SamplingParams
-from gpt_oss_train.io import storage
-from gpt_oss_train.io import tokenizer as tok_lib
-from gpt_oss_train.model import architecture
-from gpt_oss_train.model.transformer import ModelDef
-from gpt_oss_train.training import checkpoint as ckpt_lib
+from gpt_oss_train.inference import loading
+from gpt_oss_train.inference.engine_loop import EngineLoop
+from gpt_oss_train.inference.engine_steps import EngineSteps
+from gpt_oss_train.inference.handles import (
+    NO_TOKEN,
+    Completion,
+    RequestHandle,
+    RequestParams,
+    RequestRejected,
+    TokenEvent,
+)
+from gpt_oss_train.inference.loading import DecodeError, LoadedModel
 
-# Raw text ends on <|endoftext|> as well as Harmony's end-of-turn ids (HF's eos ids).
-TEXT_STOP_IDS = tuple(sorted({tok_lib.ENDOFTEXT_ID, *tok_lib.Tokenizer.stop_ids}))
+__all__ = [
+    "Completion",
+    "Engine",
+    "NO_TOKEN",
+    "RequestHandle",
+    "RequestParams",
+    "RequestRejected",
+    "TokenEvent",
+]
+
+PREFIX_BLOCK = 16  # tokens per prefix-cache block; prefill chunks are multiples of it
 
 
-class DecodeError(UserError):
-    """A flag, input or checkpoint that cannot be used; the message says which and why."""
-
-
-def default_runtime_config():
-    """The runtime used without --config: no remat (nothing is differentiated), ragged MoE,
-    XLA attention, scanned layers, the default mesh (FSDP over the local devices)."""
-    c = config_lib.default_config()
-    c.remat_policy = "none"
-    c.moe_impl = "ragged"
-    c.attention_impl = "xla"
-    c.scan_layers = True
-    return c
+def enable_compilation_cache() -> str | None:
+    """JAX's persistent compilation cache, so a restarted server skips compiling.
+    TODO: use gpt_oss_train.runtime.setup_compilation_cache once branch `moe` is merged."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    path = os.path.join(base, "gpt_oss_train", "jax")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """The run-time knobs shared by the modes (the CLI fills it from flags)."""
+class EngineOptions:
+    """Engine.from_model's keyword arguments (see Engine.from_checkpoint)."""
 
-    max_new_tokens: int = 256
-    sampling: SamplingParams = SamplingParams()
-    seed: int = 0
-    batch_size: int = 8
+    max_slots: int = 8
+    max_context: int = 4096
     prefill_chunk: int = 256
     int8_kv_cache: bool = False
-    reasoning_effort: str = "medium"
-    max_cache_len: int = 0  # 0: the model's max_position_embeddings
-    show_analysis: bool = False
+    prefix_cache_tokens: int | None = None  # None: 4 x max_context; 0: off
+    max_queue: int = 256
+    max_logprobs: int = 20
+
+    def check(self, max_positions: int) -> EngineOptions:
+        """Raises DecodeError (a UserError) for an option that cannot work."""
+        if self.max_slots < 1 or self.max_queue < 0 or self.max_logprobs < 0:
+            raise DecodeError("need max_slots >= 1, max_queue >= 0 and max_logprobs >= 0")
+        if not 2 <= self.max_context <= max_positions:
+            raise DecodeError(
+                f"max_context={self.max_context} must be in [2, {max_positions}] (the "
+                "model's max_position_embeddings)"
+            )
+        if self.prefill_chunk < PREFIX_BLOCK or self.prefill_chunk % PREFIX_BLOCK:
+            raise DecodeError(
+                f"prefill_chunk={self.prefill_chunk} must be a positive multiple of "
+                f"{PREFIX_BLOCK} (the prefix-cache block)"
+            )
+        tokens = self.prefix_cache_tokens
+        if tokens is None:
+            tokens = 4 * self.max_context
+        if tokens and tokens < self.prefill_chunk:
+            raise DecodeError(
+                f"prefix_cache_tokens={tokens} must be 0 (off) or at least prefill_chunk="
+                f"{self.prefill_chunk}"
+            )
+        return dataclasses.replace(self, prefix_cache_tokens=tokens)
 
 
-@functools.cache
-def tokenizer() -> tok_lib.Tokenizer:
-    return tok_lib.Tokenizer()
+def _token_ids(prompt) -> list[int]:
+    """Ints (numpy ints too) as a list; TypeError for anything else (str, float, bool)."""
+    if isinstance(prompt, (str, bytes)) or any(isinstance(t, bool) for t in prompt):
+        raise TypeError("not token ids")
+    return [operator.index(t) for t in prompt]
 
 
-def checkpoint_kind(path: str) -> str:
-    """'orbax' or 'hf'; anything else is refused here, before any compute."""
-    if not path:
-        raise DecodeError("--checkpoint is required: an Orbax checkpoint or a Hugging Face folder")
-    if not storage.isdir(path):
-        raise DecodeError(f"--checkpoint={path}: no such folder")
-    if ckpt_lib.is_orbax_checkpoint(path):
-        return "orbax"
-    if storage.is_remote(path):
-        raise DecodeError(
-            f"--checkpoint={path}: no Orbax checkpoint there (a Hugging Face folder is read "
-            "from local disk only)"
+def _nbytes(tree) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+
+
+class Engine:
+    """Continuous batching over `max_slots` decode slots of `max_context` positions.
+    Thread-safe: submit, cancel, stats, generate and chat may be called from any thread."""
+
+    def __init__(self, model: LoadedModel, opts: EngineOptions):
+        opts = opts.check(model.cfg.max_position_embeddings)
+        self.model, self.opts = model, opts
+        self.max_context = opts.max_context
+        self.steps = EngineSteps(
+            model.md,
+            max_slots=opts.max_slots,
+            max_context=opts.max_context,
+            prefill_chunk=opts.prefill_chunk,
+            int8_kv_cache=opts.int8_kv_cache,
+            block=PREFIX_BLOCK,
+            pool_blocks=opts.prefix_cache_tokens // PREFIX_BLOCK,
+            top_logprobs=opts.max_logprobs,
         )
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return "hf"
-    raise DecodeError(
-        f"--checkpoint={path} is neither an Orbax checkpoint written by gpt_oss_train (a "
-        "training workdir, its checkpoints/ folder, or a step folder with a model_config "
-        "item) nor a Hugging Face gpt-oss folder (config.json + *.safetensors)"
-    )
+        self._loop = EngineLoop(model, self.steps, opts.max_queue)
+        self.memory = {
+            "weights": _nbytes(model.params),
+            "kv_cache": _nbytes(self._loop.cache),
+            "prefix_cache": _nbytes(self._loop.pool) if self.steps.pool_blocks else 0,
+        }
+        self.memory["total"] = sum(self.memory.values())
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
 
+    # -- construction -------------------------------------------------------------------
 
-def read_architecture(path: str, kind: str) -> dict:
-    from gpt_oss_train.io import hf
-
-    try:
-        arch = (
-            ckpt_lib.read_model_config(path)
-            if kind == "orbax"
-            else hf.HFCheckpoint(path).model_config
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str,
+        *,
+        config=None,
+        dtype: str | None = None,
+        int8_weights: bool = False,
+        devices=None,
+        compilation_cache: bool = True,
+        **options,
+    ) -> Engine:
+        """An engine over a checkpoint (an Orbax tree or a Hugging Face folder), loaded as
+        decode loads it: `config` is the runtime config (mesh, kernels; default
+        loading.default_runtime_config()), `dtype` the compute dtype, `devices` the
+        devices of the mesh. Engine options (EngineOptions): max_slots=8,
+        max_context=4096, prefill_chunk=256 (a multiple of 16), int8_kv_cache=False,
+        prefix_cache_tokens (default 4 x max_context, 0: off), max_queue=256 (requests
+        waiting for a slot), max_logprobs=20 (the most top alternatives a request may
+        ask for). Options are checked before the checkpoint is read.
+        `compilation_cache`: turn on JAX's persistent compilation cache (process-wide)."""
+        opts = EngineOptions(**options)
+        kind = loading.checkpoint_kind(path)
+        opts.check(loading.read_architecture(path, kind)["max_position_embeddings"])
+        if compilation_cache:
+            enable_compilation_cache()
+        model = loading.load_model(
+            path, config, dtype=dtype, int8_weights=int8_weights, devices=devices
         )
-        arch = architecture.validate(arch)
-    except (ValueError, OSError) as e:
-        raise DecodeError(f"--checkpoint={path}: {e}") from None
-    return arch
+        return cls(model, opts)
 
+    @classmethod
+    def from_model(cls, model: LoadedModel, **options) -> Engine:
+        """An engine over a loaded model (loading.load_model, loading.random_model);
+        options as from_checkpoint's."""
+        return cls(model, EngineOptions(**options))
 
-@dataclasses.dataclass
-class LoadedModel:
-    md: ModelDef
-    params: Any
-    mesh: jax.sharding.Mesh
-    rules: tuple
-    kind: str  # "orbax" | "hf" | "random"
-    path: str
-    config: Any  # the runtime config it was loaded with
-    _compiled: dict = dataclasses.field(default_factory=dict)
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
 
-    @property
-    def cfg(self):
-        return self.md.cfg
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
-    def kept(self, key, make):
-        """make(), made once per key and kept: compiled functions are reused by later calls
-        on this model (chat turns, repeated runs in one process)."""
-        if key not in self._compiled:
-            self._compiled[key] = make()
-        return self._compiled[key]
+    # -- life cycle ---------------------------------------------------------------------
 
-    def generator(self, prefill_chunk: int, int8_kv_cache: bool, on_token=None) -> Generator:
-        """The Generator for these settings (kept)."""
-        return self.kept(
-            ("generator", prefill_chunk, int8_kv_cache, on_token),
-            lambda: Generator(
-                self.md,
-                self.params,
-                prefill_chunk=prefill_chunk,
-                int8_kv_cache=int8_kv_cache,
-                on_token=on_token,
-            ),
+    def start(self) -> None:
+        """Compiles and runs every shape the loop uses once, then starts the loop thread.
+        Logs the memory it holds. Calling it again does nothing."""
+        with self._start_lock:
+            if self._thread is None:
+                self._start()
+
+    def _start(self) -> None:
+        gib = {k: f"{v / 2**30:.3f} GiB" for k, v in self.memory.items()}
+        logging.info(
+            "engine: %d slots x %d positions; memory %s", self.opts.max_slots, self.max_context, gib
         )
+        t0 = time.perf_counter()
+        with self.model.scope():
+            shapes = self._loop.warm_up()
+        logging.info(
+            "engine: %d shapes compiled and run in %.1f s", shapes, time.perf_counter() - t0
+        )
+        self._thread = threading.Thread(target=self._loop.run, name="gpt-oss-engine", daemon=True)
+        self._thread.start()
 
-    def scope(self):
-        """Model calls trace under this: activations are constrained to the mesh."""
-        return sharding.use_mesh(self.mesh, self.rules)
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stops accepting requests, lets queued and running ones finish for up to
+        `grace_s` seconds, cancels the rest (finish_reason "cancelled") and ends the loop."""
+        loop = self._loop
+        with loop.cond:
+            loop.accepting = False
+            if self._thread is not None:
+                loop.cond.wait_for(lambda: loop.idle() or loop.dead is not None, grace_s)
+            loop.shutdown = True
+            loop.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        loop.end_everything()
 
+    # -- requests -----------------------------------------------------------------------
 
-def runtime_config(config=None, dtype: str | None = None):
-    config = default_runtime_config() if config is None else config
-    if dtype:
-        config = config.copy_and_resolve_references()
-        config.dtype = dtype
-    config_lib.validate(config)
-    return config
+    def _reject(self, message: str, status: int = 400):
+        self._loop.reject(message, status)
 
-
-def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None):
-    """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
-    mesh of the runtime config (over `devices`, default the local ones), int8-quantized
-    if asked."""
-    md = ModelDef(config_lib.ModelConfig.from_config(config, arch))
-    rules = sharding.validate_rules(config.logical_axis_rules)
-    devices = jax.local_devices() if devices is None else devices
-    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
-    logging.info(
-        "Loading %s model %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
-    )
-    model = LoadedModel(md, read_params(md, mesh, rules), mesh, rules, kind, path, config)
-    if int8_weights:
-        from gpt_oss_train.model import quantize
-
-        with model.scope():
-            model.params = jax.jit(quantize.quantize_params)(model.params)
-    return model
-
-
-def load_model(
-    path: str, config=None, *, dtype: str | None = None, int8_weights: bool = False
-) -> LoadedModel:
-    """The checkpoint's parameters, placed on the mesh of the runtime config."""
-    config = runtime_config(config, dtype)
-    kind = checkpoint_kind(path)
-    arch = read_architecture(path, kind)
-
-    def read(md, mesh, rules):
-        abstract = md.abstract_params(mesh, rules)
+    def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams()):
+        """Queues a request; returns its RequestHandle. Raises RequestRejected before
+        queueing: 400 for an empty or out-of-vocabulary prompt, bad parameters, or
+        len(prompt) + max_tokens > max_context; 429 when max_queue requests already
+        wait for a slot; 503 once stop() has begun (both with retry_after_s)."""
+        vocab = self.model.cfg.vocab_size
+        if not isinstance(params, RequestParams):
+            self._reject(f"params must be a RequestParams, got {type(params).__name__}", 400)
         try:
-            if kind == "orbax":
-                return ckpt_lib.load_params(path, abstract)[0]
-            from gpt_oss_train.io import hf
+            params.check(vocab, self.opts.max_logprobs)
+            prompt = _token_ids(prompt)
+        except RequestRejected as e:
+            self._reject(str(e), 400)
+        except TypeError:
+            self._reject("the prompt must be a list of integer token ids", 400)
+        if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
+            self._reject(f"the prompt must be 1 or more token ids in [0, {vocab})", 400)
+        if len(prompt) + params.max_tokens > self.max_context:
+            self._reject(
+                f"the prompt's {len(prompt)} tokens + max_tokens={params.max_tokens} exceed "
+                f"this engine's max_context={self.max_context}",
+                400,
+            )
+        handle = RequestHandle(next(self._ids), prompt, self._loop.wake)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._loop.enqueue(handle, params, seed)
+        return handle
 
-            return hf.load_sharded(path, abstract)
-        except (ValueError, OSError) as e:
-            raise DecodeError(f"--checkpoint={path}: {e}") from None
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: RequestParams = RequestParams()
+    ) -> list[Completion]:
+        """Every prompt's Completion, in order (blocking; starts the engine if needed).
+        Submits as fast as the queue takes them."""
+        self.start()
+        handles: list[RequestHandle] = []
+        for prompt in prompts:
+            while True:
+                try:
+                    handles.append(self.submit(prompt, params))
+                    break
+                except RequestRejected as e:
+                    waiting = [h for h in handles if not h.done]
+                    if e.status != 429 or not waiting:
+                        raise
+                    waiting[0].result()
+        return [h.result() for h in handles]
 
-    return _place(config, arch, read, kind, storage.normalize(path), int8_weights)
+    def chat_prompt(
+        self,
+        messages: list[dict],
+        params: RequestParams = RequestParams(),
+        *,
+        tools=None,
+        reasoning_effort: str = "medium",
+    ) -> tuple[list[int], RequestParams]:
+        """(prompt ids, params) to submit for the next assistant turn of a Harmony chat
+        (Tokenizer.render_chat); params without stop ids get Harmony's (<|return|>,
+        <|call|>). RequestRejected (400) for a chat that cannot be rendered."""
+        try:
+            prompt = loading.tokenizer().render_chat(messages, reasoning_effort, tools=tools)
+        except (ValueError, TypeError) as e:
+            self._reject(f"messages: {e}", 400)
+        if not params.stop_ids:
+            params = dataclasses.replace(
+                params, stop_ids=tuple(sorted(loading.tokenizer().stop_ids))
+            )
+        return prompt, params
 
-
-def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:
-    """config.model's architecture with random parameters (seed config.seed): for
-    benchmarks and capacity planning, no checkpoint needed."""
-    config = runtime_config(config)
-    arch = architecture.validate(config_lib.model_arch(config))
-
-    def init(md, mesh, rules):
-        return md.init(config.seed, mesh, rules)
-
-    return _place(config, arch, init, "random", "", int8_weights, devices)
-
-
-def cache_limit(max_positions: int, opts: Options) -> int:
-    """The most positions a sequence may use: --max_cache_len, else the model's
-    max_position_embeddings (`max_positions`)."""
-    if opts.max_cache_len > max_positions:
-        raise DecodeError(
-            f"--max_cache_len={opts.max_cache_len} exceeds the model's "
-            f"max_position_embeddings={max_positions}"
+    def chat(
+        self,
+        messages: list[dict],
+        params: RequestParams = RequestParams(),
+        *,
+        tools=None,
+        reasoning_effort: str = "medium",
+    ) -> Completion:
+        """The next assistant turn of a Harmony chat (blocking); `messages` of the
+        Completion is the reply parsed by Tokenizer.parse_completion."""
+        self.start()
+        prompt, params = self.chat_prompt(
+            messages, params, tools=tools, reasoning_effort=reasoning_effort
         )
-    return opts.max_cache_len or max_positions
+        completion = self.submit(prompt, params).result()
+        completion.messages = loading.tokenizer().parse_completion(completion.tokens)
+        return completion
 
+    def score(self, prompt: Sequence[int]) -> list[float]:
+        """log p(t[i+1] | t[:i+1]) for i in [0, n-1) of a prompt of n >= 2 tokens, as
+        `decode --mode=score` computes them (runs on the calling thread, beside the loop)."""
+        from gpt_oss_train.inference import requests
 
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+        vocab = self.model.cfg.vocab_size
+        try:
+            ids = tuple(_token_ids(prompt))
+        except TypeError:
+            self._reject("the prompt must be a list of integer token ids", 400)
+        if not 2 <= len(ids) <= self.max_context or min(ids) < 0 or max(ids) >= vocab:
+            self._reject(
+                f"scoring needs 2 to {self.max_context} token ids in [0, {vocab}), got {len(ids)}",
+                400,
+            )
+        fn = self.model.kept("scorer", lambda: requests.score_fn(self.model))
+        return requests.score_batch(self.model, fn, [ids], rows=1)[0].tolist()
 
-
-def batch_rows(n: int, batch_size: int) -> int:
-    """Rows of a compiled call for n requests: padding to a power of two (at most
-    batch_size) keeps the number of compiled shapes small."""
-    return min(batch_size, pow2_at_least(n))
-
-
-def prefill_chunk_for(prefill_chunk: int, longest: int) -> int:
-    """A chunk no longer than the longest prompt needs: short prompts are not padded to a
-    256-token chunk (prefill cost is the padded length)."""
-    return min(prefill_chunk, max(16, pow2_at_least(longest)))
-
-
-def stop_slots(stop_ids: Sequence[int], multiple: int = 4) -> list[int]:
-    """Stop ids padded with distinct negative ids (never generated) to a multiple of 4.
-    The decode loop is compiled per number of stop ids; this way Harmony's 2, raw text's
-    3 and most per-line lists share one compiled loop. (Distinct, because the Generator
-    drops duplicates.)"""
-    ids = sorted(set(stop_ids))
-    pad = -len(ids) % multiple
-    return ids + list(range(-1, -pad - 1, -1))
-
-
-def completion_text(tokens: list[int], stop_reason: str) -> str | None:
-    body = tokens[:-1] if stop_reason == "stop" and tokens else tokens
-    try:
-        return tokenizer().decode(body)
-    except ValueError:  # ids the o200k_harmony vocabulary does not have (toy models)
-        return None
+    def stats(self) -> dict:
+        """Counters since start-up (EngineStats.COUNTERS), gauges (queue_depth, running,
+        max_slots, prefix-cache blocks), finished requests by finish_reason, rejections
+        by status, and histograms (cumulative buckets, sum, count, recent samples) of
+        time to first token, inter-token latency and request latency, in seconds."""
+        loop = self._loop
+        return loop.stats.snapshot(
+            queue_depth=len(loop.queue),
+            running=len(loop.slots.active),
+            max_slots=self.opts.max_slots,
+            prefix_cache_blocks=self.steps.pool_blocks,
+            prefix_cache_blocks_used=len(loop.index),
+            prefix_cache_evictions=loop.index.evictions,
+        )

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from gpt_oss_train.inference import sampling as sampling_lib
 from gpt_oss_train.model import kv_cache
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
 
@@ -39,24 +40,12 @@ def cache_length(needed: int, minimum: int = 256) -> int:
     return max(minimum, 1 << max(0, needed - 1).bit_length())
 
 
-def _sample(logits, keys, step, sp: SamplingParams):
-    """One token per row from float32 logits [b, V]; per-row keys make a row's sample
-    depend only on its own seed and step, not on what else is in the batch."""
-    if sp.temperature <= 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    x = logits / sp.temperature
-    if sp.top_k > 0:
-        kth = jax.lax.top_k(x, sp.top_k)[0][:, -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
-    if sp.top_p < 1.0:
-        sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_x, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        keep = jnp.cumsum(probs, axis=-1) - probs < sp.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < cutoff, -jnp.inf, x)
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-    return jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
+def _sample(logits, seeds, step, sp: SamplingParams):
+    """One token per row: sampling.sample with the batch's one setting."""
+    rows = sampling_lib.SamplingRows.broadcast(
+        logits.shape[0], sp.temperature, sp.top_k, sp.top_p, seeds, step
+    )
+    return sampling_lib.sample(logits, rows)
 
 
 class Generator:
@@ -99,7 +88,7 @@ class Generator:
         return model.logits(hidden_bd[:, None])[:, 0]
 
     def _decode_loop(
-        self, params, cache, last_hidden, next_pos, limit, keys, stop_ids, *, max_new, sampling
+        self, params, cache, last_hidden, next_pos, limit, seeds, stop_ids, *, max_new, sampling
     ):
         """From the prompt's last hidden state, generate up to max_new tokens per row.
         Returns (tokens [b, max_new], logprobs [b, max_new], lengths [b], stop reason codes,
@@ -113,8 +102,8 @@ class Generator:
 
         def body(s):
             logits = s["logits"]
-            tok = _sample(logits, keys, s["step"], sampling)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], 1)[:, 0]
+            tok = _sample(logits, seeds, s["step"], sampling)
+            logp = sampling_lib.logprobs(logits, tok, None, top_n=0)[0]
             live = ~s["done"]
             if self.on_token is not None:
                 io_callback(self.on_token, None, tok, live, ordered=True)
@@ -228,7 +217,6 @@ class Generator:
         separate step so callers can time prefill and decode apart (inference/benchmarking.py).
         The cache is donated: it cannot be used again."""
         seeds = list(seeds) if seeds is not None else [0] * len(lengths)
-        keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
         # A row may not grow past the cache (full layers hold one slot per position).
         limit = jnp.asarray(np.minimum(lengths + max_new_tokens, max_len), jnp.int32)
         toks, logps, n, reason, _ = self._decode(
@@ -237,7 +225,7 @@ class Generator:
             last,
             jnp.asarray(lengths),
             limit,
-            keys,
+            jnp.asarray(seeds, jnp.uint32),
             jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32),
             max_new=max_new_tokens,
             sampling=sampling,

@@ -19,7 +19,8 @@ from absl import logging
 
 from gpt_oss_train import sharding
 from gpt_oss_train.errors import json_error
-from gpt_oss_train.inference.engine import (
+from gpt_oss_train.inference.generate import Generator, cache_length
+from gpt_oss_train.inference.loading import (
     TEXT_STOP_IDS,
     DecodeError,
     LoadedModel,
@@ -32,7 +33,6 @@ from gpt_oss_train.inference.engine import (
     stop_slots,
     tokenizer,
 )
-from gpt_oss_train.inference.generate import Generator, cache_length
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.model.transformer import DTYPES
 from gpt_oss_train.training import data as data_lib
@@ -266,7 +266,7 @@ def exit_code(records: list[dict]) -> int:
     return 1 if records and all("error" in r for r in records) else 0
 
 
-def _score_fn(model: LoadedModel):
+def score_fn(model: LoadedModel):
     """jit(params, inputs, targets, positions, segment_ids) -> log p(target) [b, s]."""
     md, chunk = model.md, model.config.train.loss_chunk_size
     dtype = DTYPES[model.cfg.dtype]
@@ -336,7 +336,7 @@ def run_score(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
     parse = lambda i, raw: parse_score_line(raw, vocab_size=vocab, limit=limit)
     results, todo = _parse_lines(data, parse)
     todo.sort(key=lambda x: len(x[1]))
-    fn = model.kept("scorer", lambda: _score_fn(model))
+    fn = model.kept("scorer", lambda: score_fn(model))
     for start in range(0, len(todo), opts.batch_size):
         batch = todo[start : start + opts.batch_size]
         rows = batch_rows(len(batch), opts.batch_size)

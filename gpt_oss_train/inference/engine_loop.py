@@ -1,0 +1,328 @@
+"""The serving engine's step loop: the thread that owns the KV cache and the slots.
+
+Each round: end cancelled requests, admit waiting ones into free slots (the slot
+emptied, a cached prompt prefix copied in), prefill one chunk of the oldest admitted
+prompt, then one decode step for every slot that is generating. A prompt is therefore
+prefilled between decode steps, and the streams already running keep producing tokens.
+
+Only this thread touches the cache, the prefix pool and the slot table; other threads
+reach the loop through `enqueue` and a handle's cancel flag, under `cond`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from gpt_oss_train.inference import slots
+from gpt_oss_train.inference.engine_stats import EngineStats
+from gpt_oss_train.inference.engine_steps import EngineSteps
+from gpt_oss_train.inference.handles import (
+    NO_TOKEN,
+    Completion,
+    RequestHandle,
+    RequestParams,
+    RequestRejected,
+    TokenEvent,
+)
+from gpt_oss_train.inference.loading import LoadedModel
+from gpt_oss_train.inference.prefix_cache import PrefixIndex, block_names
+
+
+class EngineLoop:
+    def __init__(self, model: LoadedModel, steps: EngineSteps, max_queue: int):
+        self.model, self.steps, self.max_queue = model, steps, max_queue
+        self.rows = slots.row_buckets(steps.max_slots)
+        self.chunks = slots.chunk_buckets(steps.prefill_chunk, steps.block)
+        self.contexts = slots.context_buckets(steps.max_context, max(256, steps.prefill_chunk))
+        with model.scope():
+            self.cache = steps.new_cache()
+            self.pool = steps.new_pool()
+        self.index = PrefixIndex(steps.pool_blocks)
+        self.slots = slots.SlotTable(steps.max_slots)
+        self.queue: collections.deque[tuple[RequestHandle, RequestParams, int]] = (
+            collections.deque()
+        )
+        self.cond = threading.Condition()
+        self.stats = EngineStats()
+        self.accepting = True
+        self.shutdown = False
+        self.dead: str | None = None  # why the loop died, if it did
+
+    # -- other threads ------------------------------------------------------------------
+
+    def enqueue(self, handle: RequestHandle, params: RequestParams, seed: int) -> None:
+        """Queues a request, or raises RequestRejected: 503 once stopping, 429 when
+        max_queue requests already wait beyond the free slots."""
+        with self.cond:
+            if not self.accepting or self.dead is not None:
+                self.reject("the engine is shutting down", 503, self._retry_after_s())
+            if len(self.queue) >= self.max_queue + self.slots.free:
+                self.reject(
+                    f"the queue is full ({len(self.queue)} requests waiting)",
+                    429,
+                    self._retry_after_s(),
+                )
+            self.queue.append((handle, params, seed))
+            self.cond.notify_all()
+
+    def reject(self, message: str, status: int, retry_after_s: float | None = None):
+        self.stats.reject(status)
+        raise RequestRejected(message, status, retry_after_s)
+
+    def _retry_after_s(self) -> float:
+        """Whole seconds until a slot is likely free: the mean request latency per wave
+        of max_slots requests ahead."""
+        waves = (len(self.queue) + 1) / self.steps.max_slots
+        return float(max(1, math.ceil(waves * self.stats.mean_latency_s(default=1.0))))
+
+    def idle(self) -> bool:
+        return not self.queue and not self.slots.active
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Rounds until `shutdown`; a failure outside a step (a bug) fails every request
+        and refuses new ones rather than leaving them hanging."""
+        try:
+            with self.model.scope():
+                while True:
+                    with self.cond:
+                        if self.shutdown:
+                            return
+                    if not self._round():
+                        with self.cond:
+                            self.cond.wait_for(self._has_work, timeout=0.5)
+        except Exception as e:  # noqa: BLE001 - reported to every request, then logged
+            logging.exception("engine loop died")
+            with self.cond:
+                self.dead = f"{type(e).__name__}: {e}"
+                self.cond.notify_all()
+            self.end_everything(reason="error", error=self.dead)
+
+    def _has_work(self) -> bool:
+        return bool(self.queue) or bool(self.slots.active) or self.shutdown
+
+    def _round(self) -> bool:
+        """Admit, one prefill chunk, one decode step. False when there was nothing to do."""
+        self._reap_cancelled()
+        self._admit()
+        busy = False
+        a = self.slots.next_prefill()
+        if a is not None:
+            self._guarded([a], self._prefill_chunk, a)
+            busy = True
+        decoding = self.slots.decoding()
+        if decoding:
+            self._guarded(decoding, self._decode_step, decoding)
+            busy = True
+        return busy
+
+    def _guarded(self, affected: list[slots.Active], step, *args) -> None:
+        """step(*args); an exception fails the requests it affected ("error") and the
+        loop goes on. If the failed call had consumed the donated cache, the cache is
+        made anew and every request in it fails too."""
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - the requests get the message
+            logging.exception("engine step failed")
+            self.stats.add(step_errors=1)
+            error = f"{type(e).__name__}: {e}"
+            if any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.pool))):
+                self.cache, self.pool = self.steps.new_cache(), self.steps.new_pool()
+                self.index = PrefixIndex(self.steps.pool_blocks)
+                affected = list(self.slots.active.values())
+            for a in affected:
+                self.end(a, "error", error=error)
+
+    # -- steps --------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Waiting requests into free slots."""
+        while self.slots.free:
+            with self.cond:
+                if not self.queue:
+                    return
+                handle, params, seed = self.queue.popleft()
+            pooled = self.steps.pool_blocks > 0
+            names = block_names(handle.prompt, self.steps.block) if pooled else []
+            a = self.slots.take(handle, params, seed, names)
+            self._guarded([a], self._restore, a)
+
+    def _restore(self, a: slots.Active) -> None:
+        """Empties a's slot and copies in the longest cached prefix of its prompt (whole
+        blocks, leaving at least the last prompt token to prefill)."""
+        s = self.steps
+        usable = min(s.max_prefix_blocks, (len(a.prompt) - 1) // s.block)
+        ids = self.index.lookup(a.names, usable)
+        block_ids = np.zeros(s.id_slots, np.int32)
+        block_ids[: len(ids)] = ids
+        a.cached = a.prefilled = len(ids) * s.block
+        self.cache = s.admit(self.cache, self.pool, np.int32(a.slot), block_ids, np.int32(a.cached))
+        hit = "prefix_cache_hits" if ids else "prefix_cache_misses"
+        self.stats.add(
+            prompt_tokens=len(a.prompt), cached_prompt_tokens=a.cached, **{hit: int(bool(a.names))}
+        )
+
+    def _prefill_chunk(self, a: slots.Active) -> None:
+        x = slots.prefill_inputs(a, self.chunks, self.contexts)
+        start = a.prefilled
+        out, self.cache = self.steps.prefill(
+            self.model.params,
+            self.cache,
+            np.int32(a.slot),
+            x["tokens"],
+            x["positions"],
+            x["last"],
+            x["settings"],
+            x["want_top"],
+            context=x["context"],
+        )
+        self._save_blocks(a, start, start + x["n"])
+        a.prefilled = start + x["n"]
+        self.stats.add(prefill_chunks=1, prefill_tokens=x["n"])
+        if a.prefilled == len(a.prompt):  # the prompt's last position: the first token
+            self._tokens([a], jax.device_get(out))
+
+    def _save_blocks(self, a: slots.Active, start: int, end: int) -> None:
+        """The prompt's whole blocks in [start, end) into the prefix pool (those not there)."""
+        s = self.steps
+        first, stop = start // s.block, min(end // s.block, len(a.names), s.max_prefix_blocks)
+        if stop <= first:
+            return
+        block_ids = np.full(s.prefill_chunk // s.block, s.pool_blocks, np.int32)
+        for i, pool_id in enumerate(self.index.allocate(a.names[:stop], first)):
+            if pool_id is not None:
+                block_ids[i] = pool_id
+        if (block_ids < s.pool_blocks).any():
+            self.pool = s.save(self.pool, self.cache, np.int32(a.slot), np.int32(start), block_ids)
+
+    def _decode_step(self, rows: list[slots.Active]) -> None:
+        x = slots.decode_inputs(rows, self.rows, self.contexts)
+        out, self.cache = self.steps.decode(
+            self.model.params,
+            self.cache,
+            x["tokens"],
+            x["positions"],
+            x["settings"],
+            x["want_top"],
+            rows=x["rows"],
+            context=x["context"],
+        )
+        self.stats.add(decode_steps=1)
+        picked = [a.slot for a in rows]
+        self._tokens(rows, [x[picked] for x in jax.device_get(out)])
+
+    def _tokens(self, rows: list[slots.Active], out) -> None:
+        """One sampled token per row (outputs in row order): recorded, streamed, and the
+        request ended on a stop id or at max_tokens."""
+        now = time.perf_counter()
+        for a, token, lp, ids, lps in zip(rows, *out):
+            token, lp, n_top = int(token), float(lp), a.params.logprobs
+            top = [(int(i), float(v)) for i, v in zip(ids[:n_top], lps[:n_top])]
+            if a.last_token_at is None:
+                self.stats.first_token(now - a.handle.submitted_at)
+                a.handle.first_token_at = now
+            else:
+                self.stats.next_token(now - a.last_token_at)
+            a.last_token_at = now
+            a.tokens.append(token)
+            a.logprobs.append(lp)
+            a.top_logprobs.append(top)
+            self.stats.add(generation_tokens=1)
+            reason = a.finish_reason(token)
+            if reason is None:
+                a.handle._emit(TokenEvent(token, lp, top, None))
+            else:
+                self.end(a, reason, TokenEvent(token, lp, top, reason))
+
+    # -- ending requests ----------------------------------------------------------------
+
+    def end(self, a, reason: str, event: TokenEvent | None = None, error: str | None = None):
+        """Finishes a request (an Active in a slot, or a queued (handle, params, seed)):
+        frees its slot and sends the last event with the Completion."""
+        if isinstance(a, slots.Active):
+            self.slots.release(a)
+            handle, seed, cached = a.handle, a.seed, a.cached
+            body = (a.tokens, a.logprobs, a.top_logprobs)
+        else:
+            (handle, _, seed), cached, body = a, 0, ([], [], [])
+        if handle.done:
+            return
+        now, first = time.perf_counter(), handle.first_token_at
+        completion = Completion(
+            prompt_tokens=len(handle.prompt),
+            tokens=list(body[0]),
+            logprobs=list(body[1]),
+            top_logprobs=list(body[2]),
+            finish_reason=reason,
+            ttft_s=(first - handle.submitted_at) if first is not None else math.nan,
+            total_s=now - handle.submitted_at,
+            cached_prompt_tokens=cached,
+            seed=seed,
+            error=error,
+        )
+        self.stats.finish(reason, completion.total_s)
+        handle._emit(event or TokenEvent(NO_TOKEN, 0.0, [], reason, error), completion)
+        self.wake()
+
+    def _reap_cancelled(self) -> None:
+        with self.cond:
+            queued = [q for q in self.queue if q[0].cancel_requested]
+            for q in queued:
+                self.queue.remove(q)
+        for q in queued:
+            self.end(q, "cancelled")
+        for a in list(self.slots.active.values()):
+            if a.handle.cancel_requested:
+                self.end(a, "cancelled")
+
+    def end_everything(self, reason: str = "cancelled", error: str | None = None) -> None:
+        """Ends every queued and running request (once the loop has stopped)."""
+        with self.cond:
+            queued, self.queue = list(self.queue), collections.deque()
+        for q in queued:
+            self.end(q, reason, error=error)
+        for a in list(self.slots.active.values()):
+            self.end(a, reason, error=error)
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def warm_up(self) -> int:
+        """Runs every compiled shape once, on inputs that write nothing (positions -1,
+        pool ids out of range); returns how many there are."""
+        p, s = self.model.params, self.steps
+        self.cache = s.admit(
+            self.cache, self.pool, np.int32(0), np.zeros(s.id_slots, np.int32), np.int32(0)
+        )
+        shapes = [("prefill", c, ctx) for c in self.chunks for ctx in self.contexts if c <= ctx]
+        shapes += [("prefill", c, self.contexts[-1]) for c in self.chunks if c > self.contexts[-1]]
+        shapes += [("decode", n, ctx) for n in self.rows for ctx in self.contexts]
+        for kind, n, context in shapes:
+            positions = np.full((1, n) if kind == "prefill" else n, -1, np.int32)
+            args = (p, self.cache, np.zeros_like(positions))
+            settings = slots.sampling_settings([], 1 if kind == "prefill" else n)
+            if kind == "prefill":
+                args = (p, self.cache, np.int32(0), np.zeros_like(positions), positions)
+                out, self.cache = s.prefill(
+                    *args, np.int32(0), settings, np.zeros(1, bool), context=context
+                )
+            else:
+                out, self.cache = s.decode(
+                    *args, positions, settings, np.zeros(n, bool), rows=n, context=context
+                )
+        if s.pool_blocks:
+            dropped = np.full(s.prefill_chunk // s.block, s.pool_blocks, np.int32)
+            self.pool = s.save(self.pool, self.cache, np.int32(0), np.int32(0), dropped)
+        jax.block_until_ready((self.cache, self.pool))
+        return len(shapes) + 1 + bool(s.pool_blocks)

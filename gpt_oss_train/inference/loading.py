@@ -1,0 +1,256 @@
+"""Loading a model for inference: a checkpoint placed on a mesh, the run-time options
+decoding shares, its limits, and the helpers that turn generated ids into text.
+
+`decode.py` (the CLI), the JSONL modes (requests.py), chat, the benchmarks and the
+serving engine (engine.py) all start from `load_model`. The architecture always comes
+from the checkpoint; the runtime config only says how to run it (mesh, dtype, kernels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Sequence
+
+import jax
+from absl import logging
+
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import sharding
+from gpt_oss_train.errors import UserError
+from gpt_oss_train.inference.generate import Generator, SamplingParams
+from gpt_oss_train.io import storage
+from gpt_oss_train.io import tokenizer as tok_lib
+from gpt_oss_train.model import architecture
+from gpt_oss_train.model.transformer import ModelDef
+from gpt_oss_train.training import checkpoint as ckpt_lib
+
+# Raw text ends on <|endoftext|> as well as Harmony's end-of-turn ids (HF's eos ids).
+TEXT_STOP_IDS = tuple(sorted({tok_lib.ENDOFTEXT_ID, *tok_lib.Tokenizer.stop_ids}))
+
+
+class DecodeError(UserError):
+    """A flag, input or checkpoint that cannot be used; the message says which and why."""
+
+
+def default_runtime_config():
+    """The runtime used without --config: no remat (nothing is differentiated), ragged MoE,
+    XLA attention, scanned layers, the default mesh (FSDP over the local devices)."""
+    c = config_lib.default_config()
+    c.remat_policy = "none"
+    c.moe_impl = "ragged"
+    c.attention_impl = "xla"
+    c.scan_layers = True
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The run-time knobs shared by the modes (the CLI fills it from flags)."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    batch_size: int = 8
+    prefill_chunk: int = 256
+    int8_kv_cache: bool = False
+    reasoning_effort: str = "medium"
+    max_cache_len: int = 0  # 0: the model's max_position_embeddings
+    show_analysis: bool = False
+
+
+@functools.cache
+def tokenizer() -> tok_lib.Tokenizer:
+    return tok_lib.Tokenizer()
+
+
+def checkpoint_kind(path: str) -> str:
+    """'orbax' or 'hf'; anything else is refused here, before any compute."""
+    if not path:
+        raise DecodeError("--checkpoint is required: an Orbax checkpoint or a Hugging Face folder")
+    if not storage.isdir(path):
+        raise DecodeError(f"--checkpoint={path}: no such folder")
+    if ckpt_lib.is_orbax_checkpoint(path):
+        return "orbax"
+    if storage.is_remote(path):
+        raise DecodeError(
+            f"--checkpoint={path}: no Orbax checkpoint there (a Hugging Face folder is read "
+            "from local disk only)"
+        )
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise DecodeError(
+        f"--checkpoint={path} is neither an Orbax checkpoint written by gpt_oss_train (a "
+        "training workdir, its checkpoints/ folder, or a step folder with a model_config "
+        "item) nor a Hugging Face gpt-oss folder (config.json + *.safetensors)"
+    )
+
+
+def read_architecture(path: str, kind: str) -> dict:
+    from gpt_oss_train.io import hf
+
+    try:
+        arch = (
+            ckpt_lib.read_model_config(path)
+            if kind == "orbax"
+            else hf.HFCheckpoint(path).model_config
+        )
+        arch = architecture.validate(arch)
+    except (ValueError, OSError) as e:
+        raise DecodeError(f"--checkpoint={path}: {e}") from None
+    return arch
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    md: ModelDef
+    params: Any
+    mesh: jax.sharding.Mesh
+    rules: tuple
+    kind: str  # "orbax" | "hf" | "random"
+    path: str
+    config: Any  # the runtime config it was loaded with
+    _compiled: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def cfg(self):
+        return self.md.cfg
+
+    def kept(self, key, make):
+        """make(), made once per key and kept: compiled functions are reused by later calls
+        on this model (chat turns, repeated runs in one process)."""
+        if key not in self._compiled:
+            self._compiled[key] = make()
+        return self._compiled[key]
+
+    def generator(self, prefill_chunk: int, int8_kv_cache: bool, on_token=None) -> Generator:
+        """The Generator for these settings (kept)."""
+        return self.kept(
+            ("generator", prefill_chunk, int8_kv_cache, on_token),
+            lambda: Generator(
+                self.md,
+                self.params,
+                prefill_chunk=prefill_chunk,
+                int8_kv_cache=int8_kv_cache,
+                on_token=on_token,
+            ),
+        )
+
+    def scope(self):
+        """Model calls trace under this: activations are constrained to the mesh."""
+        return sharding.use_mesh(self.mesh, self.rules)
+
+
+def runtime_config(config=None, dtype: str | None = None):
+    config = default_runtime_config() if config is None else config
+    if dtype:
+        config = config.copy_and_resolve_references()
+        config.dtype = dtype
+    config_lib.validate(config)
+    return config
+
+
+def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None):
+    """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
+    mesh of the runtime config (over `devices`, default the local ones), int8-quantized
+    if asked."""
+    md = ModelDef(config_lib.ModelConfig.from_config(config, arch))
+    rules = sharding.validate_rules(config.logical_axis_rules)
+    devices = jax.local_devices() if devices is None else devices
+    mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
+    logging.info(
+        "Loading %s model %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
+    )
+    model = LoadedModel(md, read_params(md, mesh, rules), mesh, rules, kind, path, config)
+    if int8_weights:
+        from gpt_oss_train.model import quantize
+
+        with model.scope():
+            model.params = jax.jit(quantize.quantize_params)(model.params)
+    return model
+
+
+def load_model(
+    path: str,
+    config=None,
+    *,
+    dtype: str | None = None,
+    int8_weights: bool = False,
+    devices=None,
+) -> LoadedModel:
+    """The checkpoint's parameters, placed on the mesh of the runtime config (over
+    `devices`, default the local ones)."""
+    config = runtime_config(config, dtype)
+    kind = checkpoint_kind(path)
+    arch = read_architecture(path, kind)
+
+    def read(md, mesh, rules):
+        abstract = md.abstract_params(mesh, rules)
+        try:
+            if kind == "orbax":
+                return ckpt_lib.load_params(path, abstract)[0]
+            from gpt_oss_train.io import hf
+
+            return hf.load_sharded(path, abstract)
+        except (ValueError, OSError) as e:
+            raise DecodeError(f"--checkpoint={path}: {e}") from None
+
+    return _place(config, arch, read, kind, storage.normalize(path), int8_weights, devices)
+
+
+def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:
+    """config.model's architecture with random parameters (seed config.seed): for
+    benchmarks and capacity planning, no checkpoint needed."""
+    config = runtime_config(config)
+    arch = architecture.validate(config_lib.model_arch(config))
+
+    def init(md, mesh, rules):
+        return md.init(config.seed, mesh, rules)
+
+    return _place(config, arch, init, "random", "", int8_weights, devices)
+
+
+def cache_limit(max_positions: int, opts: Options) -> int:
+    """The most positions a sequence may use: --max_cache_len, else the model's
+    max_position_embeddings (`max_positions`)."""
+    if opts.max_cache_len > max_positions:
+        raise DecodeError(
+            f"--max_cache_len={opts.max_cache_len} exceeds the model's "
+            f"max_position_embeddings={max_positions}"
+        )
+    return opts.max_cache_len or max_positions
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def batch_rows(n: int, batch_size: int) -> int:
+    """Rows of a compiled call for n requests: padding to a power of two (at most
+    batch_size) keeps the number of compiled shapes small."""
+    return min(batch_size, pow2_at_least(n))
+
+
+def prefill_chunk_for(prefill_chunk: int, longest: int) -> int:
+    """A chunk no longer than the longest prompt needs: short prompts are not padded to a
+    256-token chunk (prefill cost is the padded length)."""
+    return min(prefill_chunk, max(16, pow2_at_least(longest)))
+
+
+def stop_slots(stop_ids: Sequence[int], multiple: int = 4) -> list[int]:
+    """Stop ids padded with distinct negative ids (never generated) to a multiple of 4.
+    The decode loop is compiled per number of stop ids; this way Harmony's 2, raw text's
+    3 and most per-line lists share one compiled loop. (Distinct, because the Generator
+    drops duplicates.)"""
+    ids = sorted(set(stop_ids))
+    pad = -len(ids) % multiple
+    return ids + list(range(-1, -pad - 1, -1))
+
+
+def completion_text(tokens: list[int], stop_reason: str) -> str | None:
+    body = tokens[:-1] if stop_reason == "stop" and tokens else tokens
+    try:
+        return tokenizer().decode(body)
+    except ValueError:  # ids the o200k_harmony vocabulary does not have (toy models)
+        return None

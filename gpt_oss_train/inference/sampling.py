@@ -1,0 +1,93 @@
+"""Sampling a token per row from float32 logits, with per-row settings.
+
+Every row has its own temperature (0: greedy), top_k (0: off), top_p (1: off) and seed;
+the key of a row's draw is fold_in(key(seed), step), so a request's sample depends only
+on its own seed and step, never on what else is in the batch. The Generator (one setting
+for the whole batch) and the serving engine (one per slot) both sample here.
+
+The vocabulary sort that top-k/top-p need, and the top-n log-probabilities, run under
+`lax.cond` only when some row asks for them: a greedy batch pays for neither.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingRows(NamedTuple):
+    """Per-row sampling settings, each an array [b]."""
+
+    temperature: jax.Array  # float32; 0: greedy
+    top_k: jax.Array  # int32; 0: off
+    top_p: jax.Array  # float32; 1: off
+    seed: jax.Array  # uint32
+    step: jax.Array  # int32: which token of its request the row is drawing (0 first)
+
+    @staticmethod
+    def broadcast(b: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0) -> SamplingRows:
+        """One setting for every row (scalars or arrays that broadcast to [b])."""
+        full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))
+        return SamplingRows(
+            full(temperature, jnp.float32),
+            full(top_k, jnp.int32),
+            full(top_p, jnp.float32),
+            full(seed, jnp.uint32),
+            full(step, jnp.int32),
+        )
+
+
+def _filter(x, top_k, top_p):
+    """Logits with the tokens outside each row's top-k and top-p nucleus set to -inf."""
+    sorted_x = jnp.sort(x, axis=-1)[:, ::-1]
+    vocab = x.shape[-1]
+    kth = jnp.take_along_axis(sorted_x, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=1)
+    kth = jnp.where(top_k[:, None] > 0, kth, -jnp.inf)
+    x = jnp.where(x < kth, -jnp.inf, x)
+    sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)  # = sort of the filtered x
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least one token)
+    # (top_p 1 keeps everything: rounding must not cut the tail of a top-k-only row)
+    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < cutoff, -jnp.inf, x)
+
+
+def sample(logits, rows: SamplingRows):
+    """One token id per row [b] int32 from float32 logits [b, V]."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        sampled = rows.temperature > 0
+        x = logits / jnp.where(sampled, rows.temperature, 1.0)[:, None]
+        filtering = jnp.any(sampled & ((rows.top_k > 0) | (rows.top_p < 1.0)))
+        x = jax.lax.cond(filtering, _filter, lambda x, *_: x, x, rows.top_k, rows.top_p)
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(rows.seed, rows.step)
+        drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        return jnp.where(sampled, drawn, greedy)
+
+    return jax.lax.cond(jnp.any(rows.temperature > 0), draw, lambda _: greedy, logits)
+
+
+def logprobs(logits, tokens, want_top, top_n: int):
+    """log p(token) per row under the temperature-1 distribution [b], and the top_n most
+    likely ids with their log-probabilities ([b, top_n] each; computed only when some
+    row's `want_top` [b] bool is set, else zeros)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+    if top_n == 0:
+        empty = jnp.zeros((logits.shape[0], 0))
+        return chosen, empty.astype(jnp.int32), empty
+
+    def top(logp):
+        values, ids = jax.lax.top_k(logp, top_n)
+        return ids.astype(jnp.int32), values
+
+    def none(logp):
+        shape = (logp.shape[0], top_n)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+    ids, values = jax.lax.cond(jnp.any(want_top), top, none, logp)
+    return chosen, ids, values

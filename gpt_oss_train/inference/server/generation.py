@@ -1,0 +1,177 @@
+"""What chat and completions share between the HTTP request and the engine: submitting
+one engine request per choice, merging their token streams, noticing a client that went
+away, and server-sent events.
+
+A client that disconnects (or a stream the client closes) cancels its engine requests, so
+their decode slots free within a step; the engine never works for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from gpt_oss_train.inference.server.errors import APIError, from_rejection
+from gpt_oss_train.inference.server.metrics import Metrics, TokenClock
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes need: the engine, its tokenizer, names and limits, metrics."""
+
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    max_context: int
+    vocab_size: int
+    metrics: Metrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def has_token(ev) -> bool:
+    """False for a last event that carries no token (a cancelled or failed request)."""
+    return ev.token is not None and ev.token >= 0
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, param: str) -> int:
+    """The number of tokens to generate: max_tokens, or what is left of the context.
+    A prompt that leaves no room is refused before it is queued."""
+    room = state.max_context - n_prompt
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise APIError(
+            400,
+            f"This model's context holds {state.max_context} tokens; the prompt has "
+            f"{n_prompt} and {max_tokens or 1} more were asked for. Shorten the prompt or "
+            f"lower {param}.",
+            param=param if room >= 1 else "messages",
+            code="context_length_exceeded",
+        )
+    return room if max_tokens is None else max_tokens
+
+
+def choice_seeds(seed: int | None, n: int) -> list[int | None]:
+    """Choice i samples with seed + i, so n choices differ yet each is reproducible."""
+    return [None if seed is None else (seed + i) % 2**32 for i in range(n)]
+
+
+def submit(state: ServerState, prompt: list[int], params: list) -> list:
+    """One engine request per choice; all or none (a refusal cancels the ones made)."""
+    from gpt_oss_train.inference.engine import RequestRejected
+
+    handles = []
+    try:
+        for p in params:
+            handles.append(state.engine.submit(prompt, p))
+    except RequestRejected as e:
+        for h in handles:
+            h.cancel()
+        raise from_rejection(e) from None
+    state.metrics.prompt_tokens.inc(len(prompt) * len(params))
+    return handles
+
+
+async def merged(handles: list, metrics: Metrics, start: float) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, TokenEvent) from all handles as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, h):
+        clock = TokenClock(metrics, start)
+        try:
+            async for ev in h:
+                if has_token(ev):
+                    clock.tick()
+                await queue.put((i, ev))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            i, ev = await queue.get()
+            if ev is done:
+                remaining -= 1
+            else:
+                yield i, ev
+    finally:
+        for h in handles:
+            h.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the request body is read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work, handles: list):
+    """await `work`, but cancel it and the handles if the client goes away first."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not job.done():
+        for h in handles:
+            h.cancel()
+        job.cancel()
+        raise APIError(499, "The client closed the request.")
+    return job.result()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class EngineStream(StreamingResponse):
+    """Server-sent events whose engine requests are cancelled when the response ends for
+    any reason: finished, or the client gone (its slots free within a decode step)."""
+
+    def __init__(self, body, handles: list):
+        super().__init__(body, media_type="text/event-stream")
+        self._handles = handles
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for h in self._handles:
+                h.cancel()

@@ -1,0 +1,175 @@
+"""The engine's decode slots on the host: which request holds which cache row, how far
+its prompt is prefilled, and the inputs of the next prefill chunk and decode step.
+
+Shapes are rounded up to buckets so few programs are compiled: decode runs rows [0, n)
+with n a power of two (requests take the lowest free slot, so n stays small at low load),
+full layers attend to the first `context` cache slots (context x4 per bucket), prefill
+chunks are powers of two from one prefix-cache block up to the configured chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+
+import numpy as np
+
+from gpt_oss_train.inference.handles import RequestHandle, RequestParams
+from gpt_oss_train.inference.sampling import SamplingRows
+
+
+def _pow2_upto(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi."""
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= 2
+    return out + [hi]
+
+
+def row_buckets(max_slots: int) -> list[int]:
+    return _pow2_upto(1, max_slots)
+
+
+def chunk_buckets(prefill_chunk: int, block: int) -> list[int]:
+    return _pow2_upto(block, prefill_chunk)
+
+
+def context_buckets(max_context: int, smallest: int = 256) -> list[int]:
+    """max_context, a quarter of it, a sixteenth, ... while at least `smallest`."""
+    out = [max_context]
+    while out[0] // 4 >= smallest:
+        out.insert(0, out[0] // 4)
+    return out
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket >= n (the largest if none is)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+@dataclasses.dataclass(eq=False)
+class Active:
+    """A request holding a slot."""
+
+    handle: RequestHandle
+    params: RequestParams
+    seed: int
+    slot: int
+    order: int  # admission order: prefill goes first come, first served
+    names: list[bytes]  # prefix-cache names of the prompt's whole blocks
+    cached: int = 0  # prompt positions restored from the prefix cache
+    prefilled: int = 0  # prompt positions in the cache so far
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    last_token_at: float | None = None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.handle.prompt
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.tokens)
+
+    @property
+    def position(self) -> int:
+        """Where the last generated token is fed back (the next decode step's position)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    def settings(self) -> tuple:
+        p = self.params
+        return (p.temperature, p.top_k, p.top_p, self.seed, len(self.tokens))
+
+    def finish_reason(self, token: int) -> str | None:
+        if token in self.params.stop_ids:
+            return "stop"
+        return "length" if len(self.tokens) >= self.params.max_tokens else None
+
+
+def sampling_settings(rows: list[tuple], n: int) -> SamplingRows:
+    """Per-row sampling settings for n rows (rows beyond the given ones: greedy)."""
+    cols = list(zip(*rows)) if rows else [()] * 5
+    dtypes = (np.float32, np.int32, np.float32, np.uint32, np.int32)
+    arrays = []
+    for col, dt in zip(cols, dtypes):
+        a = np.zeros(n, dt)
+        a[: len(col)] = col
+        arrays.append(a)
+    arrays[2][len(rows) :] = 1.0  # top_p off
+    return SamplingRows(*arrays)
+
+
+class SlotTable:
+    def __init__(self, max_slots: int):
+        self.max_slots = max_slots
+        self._free = list(range(max_slots))
+        self.active: dict[int, Active] = {}
+        self._order = itertools.count()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, handle: RequestHandle, params: RequestParams, seed: int, names) -> Active:
+        slot = heapq.heappop(self._free)
+        a = Active(handle, params, seed, slot, next(self._order), names)
+        self.active[slot] = a
+        return a
+
+    def release(self, a: Active) -> None:
+        if self.active.get(a.slot) is a:
+            del self.active[a.slot]
+            heapq.heappush(self._free, a.slot)
+
+    def next_prefill(self) -> Active | None:
+        waiting = [a for a in self.active.values() if not a.decoding]
+        return min(waiting, key=lambda a: a.order, default=None)
+
+    def decoding(self) -> list[Active]:
+        return sorted((a for a in self.active.values() if a.decoding), key=lambda a: a.slot)
+
+
+def prefill_inputs(a: Active, chunks: list[int], contexts: list[int]) -> dict:
+    """The next chunk of a's prompt: tokens/positions [1, chunk] (-1 past the prompt),
+    the index of its last real position, and the shape buckets it runs at."""
+    start, prompt = a.prefilled, a.prompt
+    n = min(len(prompt) - start, chunks[-1])
+    chunk = bucket(n, chunks)
+    tokens = np.zeros((1, chunk), np.int32)
+    positions = np.full((1, chunk), -1, np.int32)
+    tokens[0, :n] = prompt[start : start + n]
+    positions[0, :n] = np.arange(start, start + n)
+    return dict(
+        tokens=tokens,
+        positions=positions,
+        last=np.int32(n - 1),
+        settings=sampling_settings([a.settings()], 1),
+        want_top=np.array([a.params.logprobs > 0]),
+        context=bucket(start + n, contexts),
+        n=n,
+    )
+
+
+def decode_inputs(rows: list[Active], row_sizes: list[int], contexts: list[int]) -> dict:
+    """tokens/positions [n] of one decode step over slots [0, n) (-1: the slot is idle
+    or prefilling), with n and the context the highest slot and position need."""
+    n = bucket(max(a.slot for a in rows) + 1, row_sizes)
+    tokens = np.zeros(n, np.int32)
+    positions = np.full(n, -1, np.int32)
+    want_top = np.zeros(n, bool)
+    settings = [(0.0, 0, 1.0, 0, 0)] * n
+    for a in rows:
+        tokens[a.slot], positions[a.slot] = a.tokens[-1], a.position
+        want_top[a.slot] = a.params.logprobs > 0
+        settings[a.slot] = a.settings()
+    return dict(
+        tokens=tokens,
+        positions=positions,
+        settings=sampling_settings(settings, n),
+        want_top=want_top,
+        rows=n,
+        context=bucket(max(a.position for a in rows) + 1, contexts),
+    )

@@ -1,0 +1,148 @@
+"""Serve a GPT-OSS checkpoint behind OpenAI's API (chat, completions, streaming, Harmony
+reasoning and tool calls):
+
+    python -m gpt_oss_train.serve --checkpoint=DIR [--host=127.0.0.1 --port=8000
+        --max_slots=8 --max_context=4096 --dtype=float32 --int8_weights --int8_kv_cache
+        --served_model_name=NAME --config.mesh.tensor=2 ...]
+
+--checkpoint and --config are decode's (an Orbax checkpoint or a Hugging Face folder; the
+runtime config sets mesh, dtype and kernels). The engine starts with --max_slots decode
+slots of --max_context positions each and says what memory it holds. SIGTERM (or Ctrl-C)
+stops accepting connections, lets running requests finish for up to --grace_period_s
+seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+
+from gpt_oss_train import errors, logs
+from gpt_oss_train.inference import loading
+from gpt_oss_train.inference.loading import DecodeError
+
+
+def get_config():
+    """The runtime config without --config (this file is --config's default)."""
+    return loading.default_runtime_config()
+
+
+def _define_flags():
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file(
+        "config", os.path.abspath(__file__), "Runtime config (mesh, dtype, kernels)."
+    )
+    flags.DEFINE_string("checkpoint", None, "Orbax checkpoint / workdir, or a HF gpt-oss folder.")
+    flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+    flags.DEFINE_integer("port", 8000, "Port to listen on.")
+    flags.DEFINE_string("served_model_name", None, "Model name in the API (default: folder name).")
+    flags.DEFINE_integer("max_slots", 8, "Requests decoded together (continuous batching).")
+    flags.DEFINE_integer("max_context", 4096, "Most positions (prompt + output) per request.")
+    flags.DEFINE_integer("prefill_chunk", 256, "Most prompt tokens per prefill step.")
+    flags.DEFINE_integer("max_queue", 0, "Most requests waiting for a slot (0: the engine's).")
+    flags.DEFINE_integer(
+        "prefix_cache_tokens", -1, "Prompt tokens kept for reuse (-1: the engine's, 0: off)."
+    )
+    flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype.")
+    flags.DEFINE_bool("int8_weights", False, "int8 weight-only quantized matmuls.")
+    flags.DEFINE_bool("int8_kv_cache", False, "int8 KV cache.")
+    flags.DEFINE_float("grace_period_s", 30.0, "On SIGTERM: how long running requests may go on.")
+    flags.DEFINE_bool("access_log", False, "Log every HTTP request.")
+
+
+def _check_flags(f) -> None:
+    if not 0 <= f.port < 65536:
+        raise DecodeError(f"--port must be in [0, 65536), got {f.port}")
+    for name in ("max_slots", "max_context", "prefill_chunk"):
+        if f[name].value < 1:
+            raise DecodeError(f"--{name} must be >= 1, got {f[name].value}")
+    if f.max_queue < 0 or f.grace_period_s < 0:
+        raise DecodeError("--max_queue and --grace_period_s must be >= 0")
+
+
+def _engine(f):
+    from gpt_oss_train.inference.engine import Engine
+
+    kw = dict(
+        config=f["config"].value,
+        dtype=f.dtype,
+        max_slots=f.max_slots,
+        max_context=f.max_context,
+        prefill_chunk=f.prefill_chunk,
+        int8_weights=f.int8_weights,
+        int8_kv_cache=f.int8_kv_cache,
+    )
+    if f.max_queue:
+        kw["max_queue"] = f.max_queue
+    if f.prefix_cache_tokens >= 0:
+        kw["prefix_cache_tokens"] = f.prefix_cache_tokens
+    return Engine.from_checkpoint(f.checkpoint, **kw)
+
+
+def serve(app_, host: str, port: int, grace_s: float, access_log: bool = False) -> None:
+    """Run the app until SIGTERM / SIGINT; returns once running requests are done (or the
+    grace period is over)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app_.state.shutting_down = True  # /health says so while requests finish
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app_,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=grace_s,
+        access_log=access_log,
+        log_level="info",
+        lifespan="off",
+    )
+    Server(config).run()
+
+
+def _run(f) -> int:
+    from gpt_oss_train.inference.server.app import create_app
+
+    _check_flags(f)
+    kind = loading.checkpoint_kind(f.checkpoint)
+    arch = loading.read_architecture(f.checkpoint, kind)
+    if f.max_context > arch["max_position_embeddings"]:
+        raise DecodeError(
+            f"--max_context={f.max_context} exceeds the model's max_position_embeddings="
+            f"{arch['max_position_embeddings']}"
+        )
+    name = f.served_model_name or os.path.basename(os.path.abspath(f.checkpoint))
+    eng = _engine(f)
+    eng.start()
+    app_ = create_app(
+        eng,
+        tokenizer=loading.tokenizer(),
+        model_name=name,
+        max_context=f.max_context,
+        vocab_size=arch["vocab_size"],
+    )
+    logging.info("Serving %s at http://%s:%d/v1", name, f.host, f.port)
+    try:
+        serve(app_, f.host, f.port, f.grace_period_s, f.access_log)
+    finally:
+        eng.stop(0.0)
+    logging.info("Server stopped")
+    return 0
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logs.quiet_library_logs()
+    try:
+        return _run(flags.FLAGS)
+    except errors.UserError as e:
+        return errors.report(e)
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)

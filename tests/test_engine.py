@@ -192,7 +192,7 @@ def test_refusals_before_queueing(model):
     engine.stop(grace_s=0)
     assert [h.result().finish_reason for h in held] == ["cancelled", "cancelled"]
     with pytest.raises(RequestRejected, match="shutting down") as e:
-        engine.submit([1, 2], RequestParams())
+        engine.submit([1, 2], RequestParams(max_tokens=4))
     assert e.value.status == 503
     assert engine.stats()["rejected"] == {400: 7, 429: 1, 503: 1}
 
@@ -244,7 +244,8 @@ def test_sharded_serving_gives_the_single_device_tokens(engine, hf_dir):
         hf_dir, config=config, dtype="float32", compilation_cache=False, **OPTIONS
     )
     assert sharded.model.params["blocks"]["full"]["moe"]["wi_gate"].sharding.spec[1] == "expert"
-    assert tuple(sharded._loop.cache["full"].k.sharding.spec) == (None, "expert", None, "tensor")
+    cache_spec = sharded._loop.cache["full"].k.sharding.spec  # [layers, slots, pos, heads, dim]
+    assert "expert" in cache_spec[1] and cache_spec[3] == "tensor"
     prompts = _prompts(9, [3, 20, 41])
     params = RequestParams(max_tokens=6)
     with sharded:

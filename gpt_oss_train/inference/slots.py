@@ -132,12 +132,25 @@ class SlotTable:
         return sorted((a for a in self.active.values() if a.decoding), key=lambda a: a.slot)
 
 
+def next_chunk(remaining: int, chunks: list[int]) -> tuple[int, int]:
+    """(chunk length, prompt tokens in it) for the next prefill call: the bucket that
+    holds the rest of the prompt, unless the largest bucket the rest fills plus the one
+    for what is left pads less (prefill costs the padded length: 130 tokens run as
+    128 + 16, not as 256)."""
+    ceil = bucket(remaining, chunks)
+    if remaining >= ceil or remaining < chunks[0]:
+        return ceil, min(remaining, ceil)
+    floor = max(c for c in chunks if c <= remaining)
+    if floor + bucket(remaining - floor, chunks) < ceil:
+        return floor, floor
+    return ceil, remaining
+
+
 def prefill_inputs(a: Active, chunks: list[int], contexts: list[int]) -> dict:
     """The next chunk of a's prompt: tokens/positions [1, chunk] (-1 past the prompt),
     the index of its last real position, and the shape buckets it runs at."""
     start, prompt = a.prefilled, a.prompt
-    n = min(len(prompt) - start, chunks[-1])
-    chunk = bucket(n, chunks)
+    chunk, n = next_chunk(len(prompt) - start, chunks)
     tokens = np.zeros((1, chunk), np.int32)
     positions = np.full((1, chunk), -1, np.int32)
     tokens[0, :n] = prompt[start : start + n]

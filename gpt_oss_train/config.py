@@ -22,6 +22,7 @@ import ml_collections
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.model import architecture, remat
 from gpt_oss_train.model import attention as attention_lib
+from gpt_oss_train.model import lora as lora_lib
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.architecture import PRESETS
 from gpt_oss_train.sharding import MESH_AXES
@@ -57,6 +58,9 @@ REMAT_POLICIES = tuple(remat.POLICIES)
 ATTENTION_IMPLS = tuple(attention_lib.IMPLS)
 MOE_IMPLS = tuple(moe_lib.EXPERT_IMPLS)
 DTYPES = ("float32", "bfloat16", "float16")
+# How a LoRA run stores its frozen base: as trained (param_dtype), bfloat16, int8 with a
+# scale per output channel, or the published checkpoints' MXFP4 experts (blocks + scales).
+BASE_FORMATS = ("param_dtype", "bfloat16", "int8", "mxfp4")
 
 
 def model_preset(name: str) -> ml_collections.ConfigDict:
@@ -125,6 +129,15 @@ def default_config() -> ml_collections.ConfigDict:
             init_from="",  # Orbax or HF dir: start from its params (fine-tuning)
         )
     )
+    # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
+    c.lora = ml_collections.ConfigDict(
+        dict(
+            rank=0,
+            alpha=16.0,  # the adapters' output is scaled by alpha / rank
+            targets=lora_lib.DEFAULT_TARGETS,  # any of lora.TARGETS, comma-separated
+            base_format="param_dtype",  # one of BASE_FORMATS
+        )
+    )
     return c
 
 
@@ -177,6 +190,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     attention_block: int = 512
     moe_impl: str = "ragged"
+    lora: lora_lib.LoraSpec | None = None  # adapters the network carries (None: none)
 
     @property
     def num_blocks(self) -> int:
@@ -189,6 +203,7 @@ class ModelConfig:
         arch = model_arch(config) if arch is None else arch
         # The other fields are the config's top-level settings of the same names.
         runtime = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+        runtime["lora"] = lora_lib.spec_from_config(config.lora) if "lora" in config else None
         return cls(**arch, **runtime)
 
     def replace(self, **kw) -> "ModelConfig":
@@ -206,7 +221,7 @@ def validate(config: ml_collections.ConfigDict):
     for k in config.keys():
         _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
     architecture.validate(config.model.to_dict())
-    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn"):
+    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora"):
         defaults = default_config()[section]
         for k in config[section].keys():
             _check(
@@ -269,8 +284,27 @@ def validate(config: ml_collections.ConfigDict):
     _check(t.log_every > 0, "train.log_every", "must be > 0")
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
     _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _validate_lora(config.lora)
     _check(
         config.model.max_position_embeddings >= t.seq_len,
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}",
     )
+
+
+def _validate_lora(c: ml_collections.ConfigDict):
+    _check(isinstance(c.rank, int) and c.rank >= 0, "lora.rank", "must be >= 0 (0: no LoRA)")
+    _check(c.alpha > 0, "lora.alpha", f"must be > 0, got {c.alpha}")
+    _check(
+        c.base_format in BASE_FORMATS,
+        "lora.base_format",
+        f"{c.base_format!r} is not one of {BASE_FORMATS}",
+    )
+    _check(
+        c.rank > 0 or c.base_format == "param_dtype",
+        "lora.base_format",
+        f"a {c.base_format} base is frozen, so training it needs LoRA adapters: set "
+        "config.lora.rank > 0 (or base_format=param_dtype for full fine-tuning)",
+    )
+    if c.rank:
+        lora_lib.parse_targets(c.targets)

@@ -105,6 +105,9 @@ class LoadedModel:
     kind: str  # "orbax" | "hf" | "random"
     path: str
     config: Any  # the runtime config it was loaded with
+    # LoRA adapters added to the base (inference/adapters.py), by name; with several (or
+    # named ones) they are stacked and a request names its own (slot = index + 1).
+    adapters: tuple[str, ...] = ()
     _compiled: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -145,11 +148,14 @@ def runtime_config(config=None, dtype: str | None = None):
     return config
 
 
-def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None):
+def _place(
+    config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None, adapters=()
+):
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
     mesh of the runtime config (over `devices`, default the local ones), int8-quantized
-    if asked."""
-    md = ModelDef(config_lib.ModelConfig.from_config(config, arch))
+    if asked, with `adapters` ([(name, folder)]) beside the base."""
+    # The adapters, not the runtime config, say what LoRA the model carries.
+    md = ModelDef(config_lib.ModelConfig.from_config(config, arch).replace(lora=None))
     rules = sharding.validate_rules(config.logical_axis_rules)
     devices = jax.local_devices() if devices is None else devices
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
@@ -162,13 +168,23 @@ def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devi
 
         with model.scope():
             model.params = jax.jit(quantize.quantize_params)(model.params)
+    if adapters:
+        from gpt_oss_train.inference import adapters as adapters_lib
+
+        adapters_lib.attach(model, adapters)
     return model
 
 
 def load_model(
-    path: str, config=None, *, dtype: str | None = None, int8_weights: bool = False
+    path: str,
+    config=None,
+    *,
+    dtype: str | None = None,
+    int8_weights: bool = False,
+    adapters: Sequence[tuple[str, str]] = (),
 ) -> LoadedModel:
-    """The checkpoint's parameters, placed on the mesh of the runtime config."""
+    """The checkpoint's parameters, placed on the mesh of the runtime config, with LoRA
+    `adapters` [(name, folder)] beside them (name "": the one adapter every request uses)."""
     config = runtime_config(config, dtype)
     kind = checkpoint_kind(path)
     arch = read_architecture(path, kind)
@@ -184,7 +200,7 @@ def load_model(
         except (ValueError, OSError) as e:
             raise DecodeError(f"--checkpoint={path}: {e}") from None
 
-    return _place(config, arch, read, kind, os.path.abspath(path), int8_weights)
+    return _place(config, arch, read, kind, os.path.abspath(path), int8_weights, None, adapters)
 
 
 def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:

@@ -26,7 +26,7 @@ from gpt_oss_train.model import mxfp4_array, parameters, quantize
 FORMATS = ("param_dtype", "bfloat16", "int8", "mxfp4")
 
 
-def _form(path: str, fmt: str) -> str:
+def form_of(path: str, fmt: str) -> str:
     """'keep', 'bfloat16', 'int8' or 'mxfp4': how a (dense) leaf is stored in `fmt`."""
     decl, stacked = parameters.lookup(path)
     if fmt == "param_dtype" or len(decl.dims.split()) < 2:
@@ -51,7 +51,7 @@ def convert(params: dict, fmt: str) -> dict:
 
     def one(key_path, w):
         path = parameters.path_of(key_path)
-        form = _form(path, fmt)
+        form = form_of(path, fmt)
         if form == "keep":
             return w
         if form == "bfloat16":

@@ -124,6 +124,23 @@ def save_params_only(directory: str, params, arch: dict, step: int = 0):
     mngr.close()
 
 
+def read_meta(path: str) -> dict[str, Any]:
+    """The `meta` item of the newest checkpoint under `path` ({} if it has none)."""
+    found = find_step_dir(path)
+    if found is None:
+        raise CheckpointError(f"{path}: not an Orbax checkpoint written by gpt_oss_train")
+    root, step = found
+    if not os.path.isdir(os.path.join(root, str(step), META)):
+        return {}
+    mngr = _manager(root, read_only=True)
+    try:
+        return dict(
+            mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        )
+    finally:
+        mngr.close()
+
+
 def load_params(path: str, abstract_params) -> tuple[Any, dict, int]:
     """(params restored into the shardings of `abstract_params`, model config, step)."""
     found = find_step_dir(path)
@@ -151,9 +168,19 @@ class TrainCheckpointer:
     on, and the loop saves and exits cleanly.
     """
 
-    def __init__(self, workdir: str, *, arch: dict, every: int, keep: int, async_save: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        arch: dict,
+        every: int,
+        keep: int,
+        async_save: bool = True,
+        extra_meta: dict | None = None,
+    ):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.arch = dict(arch)
+        self.extra_meta = dict(extra_meta or {})  # more of `meta` (LoRA: spec and base)
         self.every = every
         found = find_step_dir(self.directory)
         if found is not None:
@@ -186,6 +213,7 @@ class TrainCheckpointer:
         if not force and not (self.every and step % self.every == 0):
             return False
         meta = {"step": int(step), "seed": int(seed), "writer": "gpt_oss_train.train"}
+        meta.update(self.extra_meta)
         import grain
 
         self._mngr.save(

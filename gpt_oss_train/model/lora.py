@@ -185,18 +185,23 @@ def unflat(items: Mapping[str, Any]) -> dict:
     return out
 
 
-def weight_delta(spec: LoraSpec, adapters: Mapping, weight_path: str) -> np.ndarray | None:
-    """scale * A B for one stacked weight (a tree path such as "blocks/full/moe/wi_gate"),
+def weight_delta(
+    spec: LoraSpec, adapters: Mapping, weight_path: str, layers: slice = slice(None)
+) -> np.ndarray | None:
+    """scale * A B for the stacked blocks `layers` of a weight ("blocks/full/moe/wi_gate"),
     in its own layout [layers, ...], float32; None if no target adapts it."""
     kind, _, leaf = weight_path.partition("/")[2].partition("/")
     for t in spec.targets:
         a_leaf, b_leaves = parameters.lora_leaves(t)
         if leaf in b_leaves:
-            decl_a, decl_b = parameters.LORA[a_leaf], parameters.LORA[b_leaves[leaf]]
-            a = np.asarray(get(adapters, f"blocks/{kind}/{a_leaf}"), np.float64)
-            b = np.asarray(get(adapters, f"blocks/{kind}/{b_leaves[leaf]}"), np.float64)
-            w_dims = parameters.LAYER[leaf].dims.replace(" ", "")
-            eq = f"L{decl_a.dims.replace(' ', '')},L{decl_b.dims.replace(' ', '')}->L{w_dims}"
+            a = np.asarray(get(adapters, f"blocks/{kind}/{a_leaf}")[layers], np.float64)
+            b = np.asarray(get(adapters, f"blocks/{kind}/{b_leaves[leaf]}")[layers], np.float64)
+            letters = lambda p: p.dims.replace(" ", "")
+            a_dims, b_dims = (
+                letters(parameters.LORA[a_leaf]),
+                letters(parameters.LORA[b_leaves[leaf]]),
+            )
+            eq = f"L{a_dims},L{b_dims}->L{letters(parameters.LAYER[leaf])}"
             return (spec.scale * np.einsum(eq, a, b)).astype(np.float32)
     return None
 

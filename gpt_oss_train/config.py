@@ -23,6 +23,7 @@ from gpt_oss_train import runtime as runtime_lib
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.model import architecture, remat
 from gpt_oss_train.model import attention as attention_lib
+from gpt_oss_train.model import lora as lora_lib
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.architecture import PRESETS
 from gpt_oss_train.sharding import MESH_AXES
@@ -61,6 +62,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
 # float32 elsewhere (runtime.resolve_dtype, decided on the machine that runs).
 COMPUTE_DTYPES = ("auto",) + DTYPES
+# How a LoRA run stores its frozen base: as trained (param_dtype), bfloat16, int8 with a
+# scale per output channel, or the published checkpoints' MXFP4 experts (blocks + scales).
+BASE_FORMATS = ("param_dtype", "bfloat16", "int8", "mxfp4")
 
 
 def model_preset(name: str) -> ml_collections.ConfigDict:
@@ -135,6 +139,15 @@ def default_config() -> ml_collections.ConfigDict:
             max_failed_saves=0,
         )
     )
+    # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
+    c.lora = ml_collections.ConfigDict(
+        dict(
+            rank=0,
+            alpha=16.0,  # the adapters' output is scaled by alpha / rank
+            targets=lora_lib.DEFAULT_TARGETS,  # any of lora.TARGETS, comma-separated
+            base_format="param_dtype",  # one of BASE_FORMATS
+        )
+    )
     return c
 
 
@@ -187,6 +200,7 @@ class ModelConfig:
     attention_impl: str = "xla"
     attention_block: int = 512
     moe_impl: str = "ragged"
+    lora: lora_lib.LoraSpec | None = None  # adapters the network carries (None: none)
 
     @property
     def num_blocks(self) -> int:
@@ -200,6 +214,7 @@ class ModelConfig:
         # The other fields are the config's top-level settings of the same names.
         runtime = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
         runtime["dtype"] = runtime_lib.resolve_dtype(config.dtype)
+        runtime["lora"] = lora_lib.spec_from_config(config.lora) if "lora" in config else None
         return cls(**arch, **runtime)
 
     def replace(self, **kw) -> "ModelConfig":
@@ -217,7 +232,7 @@ def validate(config: ml_collections.ConfigDict):
     for k in config.keys():
         _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
     architecture.validate(config.model.to_dict())
-    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn"):
+    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora"):
         defaults = default_config()[section]
         for k in config[section].keys():
             _check(
@@ -284,8 +299,27 @@ def validate(config: ml_collections.ConfigDict):
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
     _check(config.checkpoint.max_failed_saves >= 0, "checkpoint.max_failed_saves", "must be >= 0")
     _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _validate_lora(config.lora)
     _check(
         config.model.max_position_embeddings >= t.seq_len,
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}",
     )
+
+
+def _validate_lora(c: ml_collections.ConfigDict):
+    _check(isinstance(c.rank, int) and c.rank >= 0, "lora.rank", "must be >= 0 (0: no LoRA)")
+    _check(c.alpha > 0, "lora.alpha", f"must be > 0, got {c.alpha}")
+    _check(
+        c.base_format in BASE_FORMATS,
+        "lora.base_format",
+        f"{c.base_format!r} is not one of {BASE_FORMATS}",
+    )
+    _check(
+        c.rank > 0 or c.base_format == "param_dtype",
+        "lora.base_format",
+        f"a {c.base_format} base is frozen, so training it needs LoRA adapters: set "
+        "config.lora.rank > 0 (or base_format=param_dtype for full fine-tuning)",
+    )
+    if c.rank:
+        lora_lib.parse_targets(c.targets)

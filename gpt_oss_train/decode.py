@@ -17,9 +17,10 @@ Modes
               {"prompt": "text"}         raw text continuation
               {"messages": [...]}        a Harmony chat (Tokenizer.render_chat), the
                                          model writes the next assistant turn
-            optional per line: "max_new_tokens", "seed" (default --seed + index) and
+            optional per line: "max_new_tokens", "seed" (default --seed + index),
             "stop_ids" (default: Tokenizer.stop_ids for chats; <|endoftext|> and them
-            for tokens/prompt). Output, one line per non-blank input line, in input order:
+            for tokens/prompt) and "adapter" (a NAME given to --adapter). Output,
+            one line per non-blank input line, in input order:
               {"index", "tokens" (generated ids, a final stop id included), "logprobs"
                (of each generated id, temperature 1), "text" (decoded tokens without the
                final stop id), "messages" (chats: Tokenizer.parse_completion),
@@ -83,7 +84,17 @@ def _define_flags():
         "comes from the checkpoint. Default: this file's get_config().",
     )
     flags.DEFINE_string(
-        "checkpoint", None, "Orbax checkpoint / training workdir, or a Hugging Face gpt-oss folder."
+        "checkpoint",
+        None,
+        "Orbax checkpoint / training workdir, or a Hugging Face gpt-oss folder (with "
+        "--adapter: default, the base the adapter was trained on).",
+    )
+    flags.DEFINE_list(
+        "adapter",
+        [],
+        "LoRA adapters beside the base, unmerged: DIR (every request uses it) or "
+        'NAME=DIR,NAME2=DIR2 (a request picks one with "adapter": NAME, none: the base). '
+        "DIR: a PEFT adapter folder or a LoRA training workdir.",
     )
     flags.DEFINE_enum("mode", "generate", MODES, "What to do.")
     flags.DEFINE_string("input", None, "JSONL requests (generate, score).")
@@ -202,8 +213,36 @@ def _write_jsonl(records: list[dict], path: str | None):
         sys.stdout.write(text)
 
 
+def _adapters(f) -> list[tuple[str, str]]:
+    """--adapter entries as (name, folder); "" names the one every request uses."""
+    out = [tuple(a.split("=", 1)) if "=" in a else ("", a) for a in f.adapter]
+    if len(out) > 1 and any(not name for name, _ in out):
+        raise DecodeError("--adapter: several adapters need names: NAME=DIR,NAME2=DIR2")
+    return out
+
+
+def _base_of(adapters: list[tuple[str, str]]) -> str:
+    """The base a LoRA training workdir records, for --adapter without --checkpoint."""
+    from gpt_oss_train.inference import adapters as adapters_lib
+    from gpt_oss_train.training import checkpoint as ckpt_lib
+
+    path = adapters[0][1]
+    source = ""
+    if ckpt_lib.is_orbax_checkpoint(path):
+        meta = ckpt_lib.read_meta(path).get(adapters_lib.META_KEY, {})
+        source = meta.get("base", {}).get("source", "")
+    if not source:
+        raise DecodeError(
+            f"--adapter={path} does not name the checkpoint it was trained on; pass --checkpoint"
+        )
+    return source
+
+
 def _run(f) -> int:
     opts = _check_flags(f)
+    adapters = _adapters(f)
+    if adapters and not f.checkpoint:
+        f.checkpoint = _base_of(adapters)
     kind = loading.checkpoint_kind(f.checkpoint)
     if f.compare_hf and kind != "hf":
         raise DecodeError(
@@ -217,7 +256,11 @@ def _run(f) -> int:
     arch = loading.read_architecture(f.checkpoint, kind)
     loading.cache_limit(arch["max_position_embeddings"], opts)
     load = lambda: loading.load_model(
-        f.checkpoint, f["config"].value, dtype=f.dtype, int8_weights=f.int8_weights
+        f.checkpoint,
+        f["config"].value,
+        dtype=f.dtype,
+        int8_weights=f.int8_weights,
+        adapters=adapters,
     )
     if f.mode == "benchmark":
         return _benchmark(load, f, opts)

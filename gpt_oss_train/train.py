@@ -40,6 +40,7 @@ from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import flops as flops_lib
 from gpt_oss_train.training import guards
+from gpt_oss_train.training import lora as lora_training
 from gpt_oss_train.training import state as state_lib
 from gpt_oss_train.training.evaluate import evaluate
 from gpt_oss_train.training.metrics import MetricsWriter
@@ -101,7 +102,7 @@ def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> tuple[dict, di
         logging.info("Resumed from %s at step %d", ckpt.directory, start)
         return setup.state_from(params, opt_state, start), meta
     src = setup.config.checkpoint.init_from
-    if not src:
+    if not src or setup.frozen is not None:  # LoRA: the setup reads its frozen base itself
         return setup.init_state(), {}
     abstract = setup.abstract_state["params"]
     if ckpt_lib.is_orbax_checkpoint(src):
@@ -218,7 +219,9 @@ def _prepare_locked(config, workdir: str, devices, lock) -> Run:
         every=config.checkpoint.every,
         keep=config.checkpoint.keep,
         async_save=config.checkpoint.async_save,
+        extra_meta=lora_training.checkpoint_meta(setup),
     )
+    lora_training.check_workdir(ckpt, setup)
     state, meta = initial_state(setup, ckpt, pipeline)
     return Run(setup, ckpt, pipeline, state, workdir, lock, meta)
 

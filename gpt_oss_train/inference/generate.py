@@ -48,6 +48,10 @@ def _sample(logits, seeds, step, sp: SamplingParams):
     return sampling_lib.sample(logits, rows)
 
 
+def _adapter_ids(ids, b: int) -> jax.Array:
+    return jnp.zeros((b,), jnp.int32) if ids is None else jnp.asarray(ids, jnp.int32)
+
+
 class Generator:
     """Holds compiled prefill/decode functions for one model and parameter tree."""
 
@@ -78,9 +82,11 @@ class Generator:
 
     # -- compiled pieces --------------------------------------------------------------
 
-    def _prefill_chunk(self, params, cache, tokens, positions):
+    def _prefill_chunk(self, params, cache, tokens, positions, adapter_ids):
         model = self.md.bind(params)
-        hidden, _, cache = model(tokens, positions, (positions >= 0).astype(jnp.int32), cache)
+        hidden, _, cache = model(
+            tokens, positions, (positions >= 0).astype(jnp.int32), cache, adapter_ids
+        )
         return hidden, cache
 
     def _logits(self, params, hidden_bd):
@@ -88,7 +94,18 @@ class Generator:
         return model.logits(hidden_bd[:, None])[:, 0]
 
     def _decode_loop(
-        self, params, cache, last_hidden, next_pos, limit, seeds, stop_ids, *, max_new, sampling
+        self,
+        params,
+        cache,
+        last_hidden,
+        next_pos,
+        limit,
+        seeds,
+        stop_ids,
+        adapter_ids,
+        *,
+        max_new,
+        sampling,
     ):
         """From the prompt's last hidden state, generate up to max_new tokens per row.
         Returns (tokens [b, max_new], logprobs [b, max_new], lengths [b], stop reason codes,
@@ -116,7 +133,11 @@ class Generator:
             done = s["done"] | hit_stop | full
             pos = jnp.where(done, -1, s["pos"])  # finished rows stop writing to the cache
             hidden, _, cache = model(
-                tok[:, None], pos[:, None], (pos[:, None] >= 0).astype(jnp.int32), s["cache"]
+                tok[:, None],
+                pos[:, None],
+                (pos[:, None] >= 0).astype(jnp.int32),
+                s["cache"],
+                adapter_ids,
             )
             return dict(
                 step=s["step"] + 1,
@@ -146,9 +167,11 @@ class Generator:
 
     # -- public API ---------------------------------------------------------------------
 
-    def prefill(self, prompts: Sequence[Sequence[int]], max_len: int):
-        """Runs the prompts through the model; returns (cache, last hidden [b, d], lengths)."""
+    def prefill(self, prompts: Sequence[Sequence[int]], max_len: int, adapter_ids=None):
+        """Runs the prompts through the model; returns (cache, last hidden [b, d], lengths).
+        adapter_ids [b]: the stacked adapter each row uses (model/lora.py; default 0)."""
         b = len(prompts)
+        adapter_ids = _adapter_ids(adapter_ids, b)
         lengths = np.array([len(p) for p in prompts], np.int32)
         if lengths.min() < 1:
             raise ValueError("every prompt needs at least one token")
@@ -163,7 +186,11 @@ class Generator:
         for start in range(0, padded, self.chunk):
             sl = slice(start, start + self.chunk)
             hidden, cache = self._prefill(
-                self.params, cache, jnp.asarray(tokens[:, sl]), jnp.asarray(positions[:, sl])
+                self.params,
+                cache,
+                jnp.asarray(tokens[:, sl]),
+                jnp.asarray(positions[:, sl]),
+                adapter_ids,
             )
             # rows whose last prompt token is in this chunk: keep its hidden state
             idx = np.clip(lengths - 1 - start, 0, self.chunk - 1)
@@ -181,6 +208,7 @@ class Generator:
         sampling: SamplingParams = SamplingParams(),
         seeds: Sequence[int] | None = None,
         max_len: int | None = None,
+        adapter_ids: Sequence[int] | None = None,
     ) -> list[dict]:
         """Generates for a batch of token prompts. Returns one dict per prompt: tokens,
         logprobs (log p of each generated token under the model, temperature 1),
@@ -189,7 +217,7 @@ class Generator:
         max_len = max_len or cache_length(longest + max_new_tokens)
         if longest + 1 > max_len:
             raise ValueError(f"prompt of {longest} tokens does not fit the cache of {max_len}")
-        cache, last, lengths = self.prefill(prompts, max_len)
+        cache, last, lengths = self.prefill(prompts, max_len, adapter_ids)
         return self.decode(
             cache,
             last,
@@ -199,6 +227,7 @@ class Generator:
             stop_ids=stop_ids,
             sampling=sampling,
             seeds=seeds,
+            adapter_ids=adapter_ids,
         )
 
     def decode(
@@ -212,6 +241,7 @@ class Generator:
         stop_ids: Sequence[int],
         sampling: SamplingParams = SamplingParams(),
         seeds: Sequence[int] | None = None,
+        adapter_ids: Sequence[int] | None = None,
     ) -> list[dict]:
         """The token loop of `generate`, from what `prefill(prompts, max_len)` returned; a
         separate step so callers can time prefill and decode apart (inference/benchmarking.py).
@@ -227,6 +257,7 @@ class Generator:
             limit,
             jnp.asarray(seeds, jnp.uint32),
             jnp.asarray(sorted(set(stop_ids)) or [-1], jnp.int32),
+            _adapter_ids(adapter_ids, len(lengths)),
             max_new=max_new_tokens,
             sampling=sampling,
         )

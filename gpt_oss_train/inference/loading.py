@@ -111,6 +111,9 @@ class LoadedModel:
     kind: str  # "orbax" | "hf" | "random"
     path: str
     config: Any  # the runtime config it was loaded with
+    # LoRA adapters added to the base (inference/adapters.py), by name; with several (or
+    # named ones) they are stacked and a request names its own (slot = index + 1).
+    adapters: tuple[str, ...] = ()
     _compiled: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -151,11 +154,14 @@ def runtime_config(config=None, dtype: str | None = None):
     return config
 
 
-def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None):
+def _place(
+    config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None, adapters=()
+):
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
     mesh of the runtime config (over `devices`, default the local ones), int8-quantized
-    if asked."""
-    md = ModelDef(config_lib.ModelConfig.from_config(config, arch))
+    if asked, with `adapters` ([(name, folder)]) beside the base."""
+    # The adapters, not the runtime config, say what LoRA the model carries.
+    md = ModelDef(config_lib.ModelConfig.from_config(config, arch).replace(lora=None))
     rules = sharding.validate_rules(config.logical_axis_rules)
     devices = jax.local_devices() if devices is None else devices
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
@@ -168,6 +174,10 @@ def _place(config, arch: dict, read_params, kind, path, int8_weights: bool, devi
 
         with model.scope():
             model.params = jax.jit(quantize.quantize_params)(model.params)
+    if adapters:
+        from gpt_oss_train.inference import adapters as adapters_lib
+
+        adapters_lib.attach(model, adapters)
     return model
 
 
@@ -178,9 +188,11 @@ def load_model(
     dtype: str | None = None,
     int8_weights: bool = False,
     devices=None,
+    adapters: Sequence[tuple[str, str]] = (),
 ) -> LoadedModel:
     """The checkpoint's parameters, placed on the mesh of the runtime config (over
-    `devices`, default the local ones)."""
+    `devices`, default the local ones), with LoRA `adapters` [(name, folder)] beside them
+    (name "": the one adapter every request uses)."""
     config = runtime_config(config, dtype)
     kind = checkpoint_kind(path)
     arch = read_architecture(path, kind)
@@ -196,7 +208,9 @@ def load_model(
         except (ValueError, OSError) as e:
             raise DecodeError(f"--checkpoint={path}: {e}") from None
 
-    return _place(config, arch, read, kind, storage.normalize(path), int8_weights, devices)
+    return _place(
+        config, arch, read, kind, storage.normalize(path), int8_weights, devices, adapters
+    )
 
 
 def random_model(config=None, *, int8_weights: bool = False, devices=None) -> LoadedModel:

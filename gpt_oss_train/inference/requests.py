@@ -53,6 +53,7 @@ class Request:
     stop_ids: tuple[int, ...]
     max_new_tokens: int
     seed: int
+    adapter: int = 0  # the stacked adapter slot it uses (0: none; see inference/adapters.py)
 
 
 def _load_line(raw: bytes) -> dict:
@@ -102,8 +103,26 @@ def _text_ids(text: Any, key: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def adapter_slot(name, adapters: tuple[str, ...], stacked: bool) -> int:
+    """A request's "adapter" -> its slot: 0 (none given; or the one unstacked adapter
+    every request uses), else 1 + its index among the loaded adapters."""
+    if name is None:
+        return 0
+    if name not in adapters:
+        loaded = f"loaded: {list(adapters)}" if adapters else "none is loaded (--adapter)"
+        raise LineError(f'"adapter": {name!r} is not loaded; {loaded}')
+    return adapters.index(name) + 1 if stacked else 0
+
+
 def parse_generate_line(
-    index: int, raw: bytes, *, vocab_size: int, limit: int, opts: Options
+    index: int,
+    raw: bytes,
+    *,
+    vocab_size: int,
+    limit: int,
+    opts: Options,
+    adapters: tuple[str, ...] = (),
+    stacked: bool = False,
 ) -> Request:
     """One input line -> a Request, or LineError saying what is wrong with it."""
     obj = _load_line(raw)
@@ -142,7 +161,8 @@ def parse_generate_line(
             "positions (--max_cache_len, else the model's max_position_embeddings) "
             "and at least one generated token must fit"
         )
-    return Request(index, kind, prompt, stop_ids, max_new, seed)
+    slot = adapter_slot(obj.get("adapter"), adapters, stacked)
+    return Request(index, kind, prompt, stop_ids, max_new, seed, slot)
 
 
 def json_safe(obj):
@@ -204,11 +224,12 @@ def _generate_batch(
     # Padding rows repeat the first request, so they stop when it does.
     prompts = [r.prompt for r in batch] + [batch[0].prompt] * (rows - len(batch))
     seeds = [r.seed for r in batch] + [batch[0].seed] * (rows - len(batch))
+    adapter_ids = [r.adapter for r in batch] + [batch[0].adapter] * (rows - len(batch))
     max_new = batch[0].max_new_tokens
     max_len = min(cache_length(max(map(len, prompts)) + max_new), limit)
     start = time.perf_counter()
     with model.scope():
-        cache, last, lengths = gen.prefill(prompts, max_len)
+        cache, last, lengths = gen.prefill(prompts, max_len, adapter_ids)
         jax.block_until_ready(last)
         prefill_s = time.perf_counter() - start
         outs = gen.decode(
@@ -220,6 +241,7 @@ def _generate_batch(
             stop_ids=stop_slots(batch[0].stop_ids),
             sampling=opts.sampling,
             seeds=seeds,
+            adapter_ids=adapter_ids,
         )
     total_s = time.perf_counter() - start
     records = []
@@ -246,7 +268,10 @@ def _generate_batch(
 def run_generate(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
     """Every non-blank line of a JSONL file -> its output record, in input order."""
     limit, vocab = cache_limit(model.cfg.max_position_embeddings, opts), model.cfg.vocab_size
-    parse = lambda i, raw: parse_generate_line(i, raw, vocab_size=vocab, limit=limit, opts=opts)
+    stacked = model.cfg.lora is not None and model.cfg.lora.adapters > 0
+    parse = lambda i, raw: parse_generate_line(
+        i, raw, vocab_size=vocab, limit=limit, opts=opts, adapters=model.adapters, stacked=stacked
+    )
     results, parsed = _parse_lines(data, parse)
     requests = [r for _, r in parsed]
     if requests:

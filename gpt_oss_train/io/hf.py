@@ -300,15 +300,35 @@ class HFCheckpoint:
         self.close()
 
     # -- internals -----------------------------------------------------------------
+    def read_mxfp4(self, path: str, layers: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """An expert weight's MXFP4 blocks uint8 [k, E, out, in/32, 16] and scales [k, E,
+        out, in/32] (our part of a fused tensor) for the stacked blocks in `layers`: the
+        stored bytes when the checkpoint is MXFP4, else quantized from its dense values."""
+        decl, stacked = parameters.lookup(path)
+        if not (stacked and decl.hf.mxfp4):
+            raise ValueError(f"{path} is not stored as MXFP4")
+        idx = range(self._shapes[path][0])[layers if layers is not None else slice(None)]
+        j = KINDS.index(path.split("/")[1])
+        pairs = [
+            self._layer_mxfp4(2 * i + j, decl)
+            if 2 * i + j in self._mx_layers
+            else quantize_mxfp4(self._read_layer(2 * i + j, decl))
+            for i in idx
+        ]
+        return np.stack([b for b, _ in pairs]), np.stack([s for _, s in pairs])
+
+    def _layer_mxfp4(self, n: int, decl: Param) -> tuple[np.ndarray, np.ndarray]:
+        name = f"model.layers.{n}.{decl.hf.name}"
+        blocks, scales = self._tensor(name + "_blocks"), self._tensor(name + "_scales")
+        if decl.hf.part is not None:
+            # Output rows of a fused tensor are interleaved: keep only our part.
+            blocks, scales = blocks[:, decl.hf.part :: 2], scales[:, decl.hf.part :: 2]
+        return blocks, scales
+
     def _read_layer(self, n: int, decl: Param) -> np.ndarray:
         name = f"model.layers.{n}.{decl.hf.name}"
         if decl.hf.mxfp4 and n in self._mx_layers:
-            blocks = self._tensor(name + "_blocks")
-            scales = self._tensor(name + "_scales")
-            if decl.hf.part is not None:
-                # Output rows of a fused tensor are interleaved: dequantize only our part.
-                blocks, scales = blocks[:, decl.hf.part :: 2], scales[:, decl.hf.part :: 2]
-            w = dequantize_mxfp4(blocks, scales)
+            w = dequantize_mxfp4(*self._layer_mxfp4(n, decl))
         else:
             w = parameters.split(decl, self._tensor(name))
         return parameters.from_hf(decl, w, self._sizes)
@@ -557,23 +577,32 @@ def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
                     f"{path}: {p} has shape {ckpt.param_shape(p)} in the checkpoint "
                     f"but the model expects {tuple(target.shape)}"
                 )
-            _set(
-                out,
-                p,
-                jax.make_array_from_callback(
+            if hasattr(target, "blocks"):  # an MXFP4Array: the experts stay packed
+                cache: dict = {}
+                value = type(target)(
+                    *(
+                        jax.make_array_from_callback(
+                            a.shape, a.sharding, _shard_reader(ckpt, p, a.dtype, part, cache)
+                        )
+                        for part, a in enumerate((target.blocks, target.scales))
+                    )
+                )
+            else:
+                value = jax.make_array_from_callback(
                     tuple(target.shape), target.sharding, _shard_reader(ckpt, p, target.dtype)
-                ),
-            )
+                )
+            _set(out, p, value)
     finally:
         ckpt.close()
     return out
 
 
-def _shard_reader(ckpt: HFCheckpoint, p: str, dtype: Any):
+def _shard_reader(ckpt: HFCheckpoint, p: str, dtype: Any, part=None, last=None):
     """Callback for make_array_from_callback: index (a tuple of slices) -> numpy shard.
-    Remembers the last read so devices sharing a layer range do not re-read it."""
+    Remembers the last read (in `last`, which an MXFP4 weight's blocks and scales share)
+    so devices sharing a layer range do not re-read it. part: 0 blocks, 1 scales."""
     stacked = parameters.lookup(p)[1]
-    last: dict[Any, np.ndarray] = {}
+    last = {} if last is None else last
 
     def read(index):
         index = tuple(index)
@@ -581,8 +610,11 @@ def _shard_reader(ckpt: HFCheckpoint, p: str, dtype: Any):
         key = (layers.start, layers.stop, layers.step) if layers is not None else None
         if key not in last:
             last.clear()
-            last[key] = ckpt.read(p, layers) if stacked else ckpt.read(p)
-        block = last[key]
+            if part is not None:
+                last[key] = ckpt.read_mxfp4(p, layers)
+            else:
+                last[key] = ckpt.read(p, layers) if stacked else ckpt.read(p)
+        block = last[key] if part is None else last[key][part]
         rest = index[1:] if stacked else index
         return np.asarray(block[(slice(None),) + rest if stacked else rest], dtype=dtype)
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gpt_oss_train import sharding
 
@@ -134,6 +135,8 @@ def _tiled_bwd(tiles, res, dy):
     m, k = x.shape
     sizes, starts, used, count = _groups(group_sizes)
     xp, dyp, acc = _pad(x, tiles), _pad(dy.astype(x.dtype), tiles), _acc(x.dtype)
+    if not isinstance(w, jax.Array):  # packed (int8, MXFP4): a frozen base, no dW
+        return _tiled_dx(xp, dyp, w, sizes, starts, used, count, tiles)[:m], _no_grad(w), None
 
     def per_group(i, carry):
         dx, dw = carry
@@ -155,6 +158,34 @@ def _tiled_bwd(tiles, res, dy):
     init = (jnp.zeros((m + tiles.small, k), acc), jnp.zeros(w.shape, acc))
     dx, dw = jax.lax.fori_loop(0, count, per_group, init)
     return dx[:m].astype(x.dtype), dw.astype(w.dtype), None
+
+
+def _tiled_dx(xp, dyp, w, sizes, starts, used, count, tiles: Tiles):
+    """dx alone (the weights are not trained): the backward's loops without dW."""
+    acc = _acc(xp.dtype)
+
+    def per_group(i, dx):
+        g = used[i]
+        w_nk = jnp.transpose(w[g].astype(xp.dtype))
+
+        def tile(dx, first, rows, end):
+            dx_tile = jnp.dot(_rows(dyp, first, rows, end), w_nk, preferred_element_type=acc)
+            return jax.lax.dynamic_update_slice_in_dim(dx, dx_tile, first, axis=0)
+
+        return _over_tiles(tiles, starts[g], sizes[g], tile, dx)
+
+    dx = jax.lax.fori_loop(0, count, per_group, jnp.zeros((xp.shape[0], xp.shape[1]), acc))
+    return dx.astype(xp.dtype)
+
+
+def _no_grad(w):
+    """Zero cotangents in w's own structure (float0 for integer leaves)."""
+    zero = lambda a: (
+        jnp.zeros_like(a)
+        if jnp.issubdtype(a.dtype, jnp.floating)
+        else np.zeros(a.shape, jax.dtypes.float0)
+    )
+    return jax.tree.map(zero, w)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)

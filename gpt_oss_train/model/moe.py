@@ -35,6 +35,20 @@ from gpt_oss_train import sharding
 from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
 
+class ExpertLoRA(NamedTuple):
+    """Low-rank pairs added to each expert's matmuls (model/lora.py): gate += (x A_in)
+    B_gate, up += (x A_in) B_up, out += (act A_out) B_out, their scale folded into the Bs.
+    A pair may be None (target not adapted). With `rows` (stacked adapters), every array
+    has a leading adapter axis and token t uses adapter rows[t]."""
+
+    a_in: jax.Array | None = None  # [(n,) E, D, r]
+    b_gate: jax.Array | None = None  # [(n,) E, r, F]
+    b_up: jax.Array | None = None  # [(n,) E, r, F]
+    a_out: jax.Array | None = None  # [(n,) E, F, r]
+    b_out: jax.Array | None = None  # [(n,) E, r, D]
+    rows: jax.Array | None = None  # [T] int32: each token's adapter
+
+
 class ExpertWeights(NamedTuple):
     wi_gate: jax.Array  # [E, D, F]
     bi_gate: jax.Array  # [E, F]
@@ -42,13 +56,17 @@ class ExpertWeights(NamedTuple):
     bi_up: jax.Array  # [E, F]
     wo: jax.Array  # [E, F, D]
     bo: jax.Array  # [E, D]
+    lora: ExpertLoRA | None = None
 
 
-def route(x_td, kernel, bias, k: int):
-    """Top-k routing in float32. Returns (weights [T,k] f32, experts [T,k] i32, logits)."""
+def route(x_td, kernel, bias, k: int, delta=None):
+    """Top-k routing in float32. Returns (weights [T,k] f32, experts [T,k] i32, logits).
+    `delta` [T, E] (a LoRA adapter's) is added to the logits before the choice."""
     logits = jnp.dot(
         x_td.astype(jnp.float32), kernel.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     ) + bias.astype(jnp.float32)
+    if delta is not None:
+        logits = logits + delta
     top_logits, top_idx = jax.lax.top_k(logits, k)
     return jax.nn.softmax(top_logits, axis=-1), top_idx.astype(jnp.int32), logits
 
@@ -80,10 +98,18 @@ def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, d
     f32 = jnp.promote_types(dtype, jnp.float32)  # float64 when the reference runs in it
     gate = jnp.einsum("td,edf->tef", x, w.wi_gate.astype(dtype), preferred_element_type=f32)
     up = jnp.einsum("td,edf->tef", x, w.wi_up.astype(dtype), preferred_element_type=f32)
+    lo = w.lora
+    if lo is not None and lo.a_in is not None:
+        xa = _dense_low_rank(x, lo.a_in, lo.rows, "ti", dtype)
+        gate = gate + _dense_low_rank(xa, lo.b_gate, lo.rows, "tei", dtype)
+        up = up + _dense_low_rank(xa, lo.b_up, lo.rows, "tei", dtype)
     act = _glu(gate + w.bi_gate.astype(f32), up + w.bi_up.astype(f32), limit, alpha)
     y = jnp.einsum(
         "tef,efd->ted", act.astype(dtype), w.wo.astype(dtype), preferred_element_type=f32
     ) + w.bo.astype(f32)
+    if lo is not None and lo.a_out is not None:
+        aa = _dense_low_rank(act.astype(dtype), lo.a_out, lo.rows, "tei", dtype)
+        y = y + _dense_low_rank(aa, lo.b_out, lo.rows, "tei", dtype)
     combine = (
         jnp.zeros((t, num_experts), f32)
         .at[jnp.arange(t)[:, None], idx_tk]
@@ -92,18 +118,54 @@ def dense_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, d
     return jnp.einsum("te,ted->td", combine, y)
 
 
+def _dense_low_rank(x, m, rows, x_axes: str, dtype):
+    """x [t, (e,) i] ("ti" or "tei") times an expert-stacked LoRA factor m [(n,) e, i, o]
+    -> [t, e, o] float32; with rows, token t uses m[rows[t]]."""
+    m = m.astype(dtype)
+    if rows is None:
+        return jnp.einsum(
+            f"{x_axes},eio->teo", x.astype(dtype), m, preferred_element_type=jnp.float32
+        )
+    return jnp.einsum(f"{x_axes},teio->teo", x.astype(dtype), m[rows],
+                      preferred_element_type=jnp.float32)  # fmt: skip
+
+
+def _grouped_low_rank(x, a, b, group_sizes, dtype):
+    """(x A_g) B_g per group of rows, float32 (A, B already in the groups' layout)."""
+    xa = grouped_matmul(x, a.astype(dtype), group_sizes)
+    return grouped_matmul(xa.astype(dtype), b.astype(dtype), group_sizes)
+
+
 def _grouped_ffn(
-    x_rd, expert_r, group_sizes, w: ExpertWeights, *, limit, alpha, dtype, add_out_bias=True
+    x_rd,
+    expert_r,
+    group_sizes,
+    w: ExpertWeights,
+    *,
+    limit,
+    alpha,
+    dtype,
+    add_out_bias=True,
+    lora_group_sizes=None,
 ):
     """Rows already sorted by expert; group_sizes[e] rows belong to expert e. Rows past
-    sum(group_sizes) (if any) come out as zeros."""
+    sum(group_sizes) (if any) come out as zeros. LoRA factors (w.lora) are grouped by
+    lora_group_sizes (default group_sizes; several adapters: (expert, adapter) groups)."""
     f32 = jnp.float32
     x = x_rd.astype(dtype)
     gate = grouped_matmul(x, w.wi_gate, group_sizes)
     up = grouped_matmul(x, w.wi_up, group_sizes)
+    lo = w.lora
+    lgs = group_sizes if lora_group_sizes is None else lora_group_sizes
+    if lo is not None and lo.a_in is not None:
+        xa = grouped_matmul(x, lo.a_in.astype(dtype), lgs).astype(dtype)
+        gate = gate + grouped_matmul(xa, lo.b_gate.astype(dtype), lgs)
+        up = up + grouped_matmul(xa, lo.b_up.astype(dtype), lgs)
     e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
     act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
     y = grouped_matmul(act.astype(dtype), w.wo, group_sizes)
+    if lo is not None and lo.a_out is not None:
+        y = y + _grouped_low_rank(act.astype(dtype), lo.a_out, lo.b_out, lgs, dtype)
     if add_out_bias:
         y = y + w.bo.astype(f32)[e]
     return y
@@ -137,8 +199,19 @@ def gathered_ffn(
     x = jnp.repeat(x_td.astype(dtype), k, axis=0)
     gate = matvec(x, pick(w.wi_gate)) + w.bi_gate.astype(f32)[flat]
     up = matvec(x, pick(w.wi_up)) + w.bi_up.astype(f32)[flat]
+    lo = w.lora
+    if lo is not None:
+        # each (token, choice)'s own factors: [t*k, in, r] and [t*k, r, out]
+        pair = flat if lo.rows is None else (jnp.repeat(lo.rows, k), flat)
+        lpick = lambda a: a[pair].astype(dtype)
+    if lo is not None and lo.a_in is not None:
+        xa = matvec(x, lpick(lo.a_in)).astype(dtype)
+        gate = gate + matvec(xa, lpick(lo.b_gate))
+        up = up + matvec(xa, lpick(lo.b_up))
     act = _glu(gate, up, limit, alpha)
     y = matvec(act.astype(dtype), pick(w.wo)) + w.bo.astype(f32)[flat]
+    if lo is not None and lo.a_out is not None:
+        y = y + matvec(matvec(act.astype(dtype), lpick(lo.a_out)).astype(dtype), lpick(lo.b_out))
     return jnp.einsum("tk,tkd->td", weights_tk, y.reshape(t, k, -1))
 
 
@@ -153,15 +226,39 @@ def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
     return sharding.platform() != "cpu" and 4 * tokens * k <= num_experts
 
 
+def _adapter_groups(flat, k: int, num_experts: int, w: ExpertWeights):
+    """Stacked adapters in a grouped matmul: pairs sort by (expert, adapter), so rows stay
+    grouped by expert for the base weights and by (expert, adapter) for the LoRA factors,
+    which are laid out [E * n, ...] to match. Returns (sort key, LoRA group sizes or None,
+    the weights with the factors so laid out)."""
+    lo = w.lora
+    if lo is None or lo.rows is None:
+        return flat, None, w
+    n = next(a for a in lo[:5] if a is not None).shape[0]
+    key = flat * n + jnp.repeat(lo.rows, k)
+    regroup = lambda a: None if a is None else jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:])
+    lora = ExpertLoRA(*(regroup(a) for a in lo[:5]), rows=None)
+    sizes = jnp.bincount(key, length=num_experts * n).astype(jnp.int32)
+    return key, sizes, w._replace(lora=lora)
+
+
 def grouped_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
     """Sort (token, choice) pairs by expert, grouped matmuls, un-sort, weighted sum."""
     t, k = idx_tk.shape
     num_experts = w.wi_gate.shape[0]
     flat = idx_tk.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    key, lora_group_sizes, w = _adapter_groups(flat, k, num_experts, w)
+    order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     y = _grouped_ffn(
-        x_td[order // k], flat[order], group_sizes, w, limit=limit, alpha=alpha, dtype=dtype
+        x_td[order // k],
+        flat[order],
+        group_sizes,
+        w,
+        limit=limit,
+        alpha=alpha,
+        dtype=dtype,
+        lora_group_sizes=lora_group_sizes,
     )
     y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
     return jnp.einsum("tk,tkd->td", weights_tk, y)
@@ -173,6 +270,26 @@ def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, 
     t, k = idx_tk.shape
     impl = gathered_ffn if use_gathered(t, k, w.wi_gate.shape[0]) else grouped_experts
     return impl(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
+
+
+def _spec_of(weight, dense_spec):
+    """shard_map's spec for an expert weight: a packed one (an MXFP4 base's blocks and
+    scales) derives its own from the dense [E, in, out] spec."""
+    return weight.partition_spec(dense_spec) if hasattr(weight, "partition_spec") else dense_spec
+
+
+def _lora_specs(lo: ExpertLoRA | None, spec) -> ExpertLoRA | None:
+    """The LoRA factors shard like the expert weights they adapt (rank unsharded)."""
+    if lo is None:
+        return None
+    specs = ExpertLoRA(
+        a_in=spec("exp", None, None),
+        b_gate=spec("exp", None, "mlp"),
+        b_up=spec("exp", None, "mlp"),
+        a_out=spec("exp", "mlp", None),
+        b_out=spec("exp", None, None),
+    )
+    return ExpertLoRA(*(None if a is None else s for a, s in zip(lo, specs)))
 
 
 def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
@@ -200,13 +317,18 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
             f"num_experts={num_experts} is not divisible by the {n_exp_shards} "
             f"devices of mesh axes {exp_axes} that shard experts"
         )
+    if w.lora is not None and w.lora.rows is not None:
+        raise ValueError(
+            "several adapters in one batch need moe_impl 'ragged' or 'dense' (not 'sharded')"
+        )
     w_specs = ExpertWeights(
-        wi_gate=spec("exp", None, "mlp"),
+        wi_gate=_spec_of(w.wi_gate, spec("exp", None, "mlp")),
         bi_gate=spec("exp", "mlp"),
-        wi_up=spec("exp", None, "mlp"),
+        wi_up=_spec_of(w.wi_up, spec("exp", None, "mlp")),
         bi_up=spec("exp", "mlp"),
-        wo=spec("exp", "mlp", None),
+        wo=_spec_of(w.wo, spec("exp", "mlp", None)),
         bo=spec("exp", None),
+        lora=_lora_specs(w.lora, spec),
     )
 
     def local(x, wts, idx, lw):

@@ -102,6 +102,87 @@ LAYER: dict[str, Param] = {
 }
 
 
+# ------------------------------------------------------------------------- LoRA
+#
+# A LoRA target adapts a weight W (or both parts of a fused HF tensor) to
+# W + (alpha / R) A B, with A [batch.., in.., R] and B [batch.., R, out..]: "in" are the
+# letters the input contracts with, "batch" the experts' E (each expert its own pair),
+# "out" the rest. The pair's declarations derive from W's: letters, logical axes (R is
+# unsharded, so expert LoRA shards over `exp` like the experts), and the tensors PEFT
+# saves: `<module>.lora_A.weight` [R, in] and `.lora_B.weight` [out, R]; per-expert pairs
+# stacked as PEFT's ParamWrapper stacks them (A rows expert-major [E*R, in], B columns
+# rank-major [out, R*E]); the fused gate_up's B interleaves gate and up along its F axis.
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraTarget:
+    weights: tuple[str, ...]  # the LAYER paths it adapts (a fused tensor's parts share A)
+    contract: str  # letters of W the input contracts with
+    peft: str  # PEFT's name: a module (target_modules) or a parameter (target_parameters)
+
+    @property
+    def is_parameter(self) -> bool:
+        """PEFT targets it with target_parameters (a bare nn.Parameter), not target_modules."""
+        return "." in self.peft
+
+
+LORA_TARGETS: dict[str, LoraTarget] = {
+    "q": LoraTarget(("attn/q_kernel",), "D", "q_proj"),
+    "k": LoraTarget(("attn/k_kernel",), "D", "k_proj"),
+    "v": LoraTarget(("attn/v_kernel",), "D", "v_proj"),
+    "o": LoraTarget(("attn/o_kernel",), "N H", "o_proj"),
+    "gate_up": LoraTarget(("moe/wi_gate", "moe/wi_up"), "D", "mlp.experts.gate_up_proj"),
+    "down": LoraTarget(("moe/wo",), "F", "mlp.experts.down_proj"),
+    "router": LoraTarget(("moe/router_kernel",), "D", "mlp.router.weight"),
+}
+
+
+def lora_leaves(target: str) -> tuple[str, dict[str, str]]:
+    """(A's layer path, {adapted weight's layer path: its B's layer path}) of a target."""
+    t = LORA_TARGETS[target]
+    module = t.weights[0].rpartition("/")[0]
+    a = f"{module}/lora_{target}_a"
+    if len(t.weights) == 1:
+        return a, {t.weights[0]: f"{module}/lora_{target}_b"}
+    return a, {w: f"{module}/lora_{target}_b_{w.rpartition('/')[2]}" for w in t.weights}
+
+
+def _lora_decls() -> dict[str, Param]:
+    out = {}
+    for name, t in LORA_TARGETS.items():
+        w = LAYER[t.weights[0]]
+        letters = w.dims.split()
+        axes = dict(zip(letters, w.axes))
+        batch = [c for c in letters if axes[c] == "exp"]
+        inputs = t.contract.split()
+        outputs = [c for c in letters if c not in batch and c not in inputs]
+        hf_module = t.peft.rpartition(".")[0] if t.is_parameter else w.hf.name.rpartition(".")[0]
+        a_dims = batch + inputs + ["R"]
+        a_path, b_paths = lora_leaves(name)
+        out[a_path] = Param(
+            " ".join(a_dims),
+            tuple(axes.get(c) for c in a_dims),
+            "normal",
+            HFTensor(f"{hf_module}.lora_A.weight", f"{''.join(batch)}R {''.join(inputs)}"),
+        )
+        b_dims = batch + ["R"] + outputs
+        for j, b_path in enumerate(b_paths.values()):
+            out[b_path] = Param(
+                " ".join(b_dims),
+                tuple(axes.get(c) for c in b_dims),
+                "zeros",
+                HFTensor(
+                    f"{hf_module}.lora_B.weight",
+                    f"{''.join(outputs)} R{''.join(batch)}",
+                    j if len(b_paths) > 1 else None,
+                ),
+            )
+    return out
+
+
+LORA: dict[str, Param] = _lora_decls()
+
+
 def dim_sizes(arch: Mapping[str, Any] | Any) -> dict[str, int]:
     """Dimension letter -> size, from an architecture dict or a ModelConfig."""
     get = arch.get if isinstance(arch, Mapping) else lambda k: getattr(arch, k)
@@ -154,7 +235,8 @@ def lookup(path: str) -> tuple[Param, bool]:
     """(declaration, stacked) for a tree path; KeyError for an unknown one."""
     parts = path.split("/")
     stacked = parts[0] == "blocks" and len(parts) > 2 and parts[1] in KINDS
-    decl = (LAYER if stacked else TOP).get("/".join(parts[2:]) if stacked else path)
+    leaf = "/".join(parts[2:])
+    decl = (LAYER.get(leaf) or LORA.get(leaf)) if stacked else TOP.get(path)
     if decl is None:
         raise KeyError(f"unknown parameter path {path!r}")
     return decl, stacked
@@ -192,19 +274,30 @@ def from_hf(p: Param, w: np.ndarray, sizes: Mapping[str, int]) -> np.ndarray:
     return np.transpose(w, [flat.index(c) for c in ours])
 
 
+def fused_axis(p: Param) -> int:
+    """The axis a fused HF tensor interleaves its parts along: the one holding F (the
+    experts' hidden units, gate and up alternating)."""
+    return next(i for i, g in enumerate(p.hf.dims.split()) if "F" in g)
+
+
 def split(p: Param, fused: np.ndarray) -> np.ndarray:
-    """This parameter's part of a fused HF tensor (interleaved along the last axis)."""
-    return fused if p.hf.part is None else fused[..., p.hf.part :: 2]
+    """This parameter's part of a fused HF tensor (interleaved along `fused_axis`)."""
+    if p.hf.part is None:
+        return fused
+    index = [slice(None)] * fused.ndim
+    index[fused_axis(p)] = slice(p.hf.part, None, 2)
+    return fused[tuple(index)]
 
 
-def fuse(parts: list[np.ndarray]) -> np.ndarray:
-    """Interleaves the parts of a fused HF tensor along the last axis."""
+def fuse(parts: list[np.ndarray], axis: int = -1) -> np.ndarray:
+    """Interleaves the parts of a fused HF tensor along `axis`."""
     if len(parts) == 1:
         return parts[0]
-    out = np.empty((*parts[0].shape[:-1], len(parts) * parts[0].shape[-1]), np.result_type(*parts))
+    a0 = np.moveaxis(parts[0], axis, -1)
+    out = np.empty((*a0.shape[:-1], len(parts) * a0.shape[-1]), np.result_type(*parts))
     for j, a in enumerate(parts):
-        out[..., j :: len(parts)] = a
-    return out
+        out[..., j :: len(parts)] = np.moveaxis(a, axis, -1)
+    return np.moveaxis(out, -1, axis)
 
 
 def hf_layer_tensors() -> dict[str, list[str]]:

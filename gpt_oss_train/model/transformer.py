@@ -25,7 +25,7 @@ from flax import nnx
 from gpt_oss_train import sharding
 from gpt_oss_train.config import ModelConfig
 from gpt_oss_train.model import attention as attn_lib
-from gpt_oss_train.model import embedding, kv_cache, parameters, remat
+from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat
 from gpt_oss_train.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -37,21 +37,26 @@ def _init(kind: str, std: float):
     return lambda key, shape, dtype: (jnp.zeros if kind == "zeros" else jnp.ones)(shape, dtype)
 
 
+def _param(cfg: ModelConfig, p: parameters.Param, shape, axes, rngs) -> nnx.Param:
+    init = _init(p.init, cfg.initializer_range)
+    value = init(rngs.params() if rngs is not None else None, shape, DTYPES[cfg.param_dtype])
+    # eager_sharding=False: the logical names are mapped to the mesh by our own rules when
+    # the parameters are created under jit (see `ModelDef.init`), not by NNX.
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
 def declared_params(cfg: ModelConfig, prefix: str, rngs: nnx.Rngs | None) -> dict[str, nnx.Param]:
     """The parameters params.py declares for one module ("attn", "moe", "final_norm", ...),
-    created with their initializers and tagged with their logical axes."""
+    created with their initializers and tagged with their logical axes; with cfg.lora, the
+    module's adapters too."""
     sizes = parameters.dim_sizes(cfg)
-    out = {}
-    for leaf, p in parameters.group(prefix).items():
-        init = _init(p.init, cfg.initializer_range)
-        value = init(
-            rngs.params() if rngs is not None else None,
-            parameters.shape(p.dims, sizes),
-            DTYPES[cfg.param_dtype],
-        )
-        # eager_sharding=False: the logical names are mapped to the mesh by our own rules
-        # when the parameters are created under jit (see `ModelDef.init`), not by NNX.
-        out[leaf] = nnx.Param(value, out_sharding=p.axes, eager_sharding=False)
+    out = {
+        leaf: _param(cfg, p, parameters.shape(p.dims, sizes), p.axes, rngs)
+        for leaf, p in parameters.group(prefix).items()
+    }
+    for leaf, p in lora.module_decls(cfg.lora, prefix).items():
+        shape, axes = lora.leaf_shape(p, cfg, cfg.lora), lora.leaf_axes(p, cfg.lora)
+        out[leaf] = _param(cfg, p, shape, axes, rngs)
     return out
 
 
@@ -122,19 +127,37 @@ class Attention(nnx.Module):
         for name, param in declared_params(cfg, "attn", rngs).items():
             setattr(self, name, param)
 
-    def __call__(self, x_bsd, rope, positions, segment_ids, window, cache: kv_cache.KVCache | None):
+    def adapted(self, target: str, x, adapter_ids):
+        """The LoRA adapter's term for `target` (float32), or 0 when it is not adapted."""
+        spec = self.cfg.lora
+        if spec is None or target not in spec.targets:
+            return 0.0
+        a, b = getattr(self, f"lora_{target}_a")[...], getattr(self, f"lora_{target}_b")[...]
+        return spec.scale * lora.delta(x, a, b, dtype=DTYPES[self.cfg.dtype], rows=adapter_ids)
+
+    def __call__(
+        self,
+        x_bsd,
+        rope,
+        positions,
+        segment_ids,
+        window,
+        cache: kv_cache.KVCache | None,
+        adapter_ids=None,
+    ):
         cfg = self.cfg
         dt = DTYPES[cfg.dtype]
 
-        def proj(kernel, bias):
+        def proj(kernel, bias, target):
             y = jnp.einsum(
                 "bsd,dnh->bsnh", x_bsd, kernel[...].astype(dt), preferred_element_type=jnp.float32
             )
+            y = y + self.adapted(target, x_bsd, adapter_ids)
             return (y + bias[...].astype(jnp.float32)).astype(dt)
 
-        q = apply_rope(proj(self.q_kernel, self.q_bias), *rope)
-        k = apply_rope(proj(self.k_kernel, self.k_bias), *rope)
-        v = proj(self.v_kernel, self.v_bias)
+        q = apply_rope(proj(self.q_kernel, self.q_bias, "q"), *rope)
+        k = apply_rope(proj(self.k_kernel, self.k_bias, "k"), *rope)
+        v = proj(self.v_kernel, self.v_bias, "v")
         q = sharding.constrain(q, ("batch", "length", "heads", "head_dim"))
         k = sharding.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -179,6 +202,7 @@ class Attention(nnx.Module):
             self.o_kernel[...].astype(dt),
             preferred_element_type=jnp.float32,
         )
+        y = y + self.adapted("o", out.astype(dt), adapter_ids)
         y = y + self.o_bias[...].astype(jnp.float32)
         return y.astype(dt), new_cache
 
@@ -189,12 +213,42 @@ class MoE(nnx.Module):
         for name, param in declared_params(cfg, "moe", rngs).items():
             setattr(self, name, param)
 
-    def __call__(self, x_bsd, valid_bs):
+    def router_delta(self, x_bsd, adapter_ids):
+        """The router adapter's logits term [b*s, E] (float32, as routing), or None."""
+        spec = self.cfg.lora
+        if spec is None or "router" not in spec.targets:
+            return None
+        a, b = self.lora_router_a[...], self.lora_router_b[...]
+        d = spec.scale * lora.delta(x_bsd, a, b, dtype=jnp.float32, rows=adapter_ids)
+        return d.reshape(-1, d.shape[-1])
+
+    def expert_lora(self, adapter_ids, seq_len: int) -> moe_lib.ExpertLoRA | None:
+        """The experts' adapters, their scale folded into B; None when not adapted."""
+        spec = self.cfg.lora
+        if spec is None or not {"gate_up", "down"} & set(spec.targets):
+            return None
+        get = lambda name, scale=1.0: (
+            getattr(self, name)[...] * scale if hasattr(self, name) else None
+        )
+        return moe_lib.ExpertLoRA(
+            a_in=get("lora_gate_up_a"),
+            b_gate=get("lora_gate_up_b_wi_gate", spec.scale),
+            b_up=get("lora_gate_up_b_wi_up", spec.scale),
+            a_out=get("lora_down_a"),
+            b_out=get("lora_down_b", spec.scale),
+            rows=None if adapter_ids is None else jnp.repeat(adapter_ids, seq_len),
+        )
+
+    def __call__(self, x_bsd, valid_bs, adapter_ids=None):
         cfg = self.cfg
         b, s, d = x_bsd.shape
         x = x_bsd.reshape(b * s, d)
         weights, idx, logits = moe_lib.route(
-            x, self.router_kernel[...], self.router_bias[...], cfg.experts_per_token
+            x,
+            self.router_kernel[...],
+            self.router_bias[...],
+            cfg.experts_per_token,
+            self.router_delta(x_bsd, adapter_ids),
         )
         aux = moe_lib.load_balancing_loss(logits, idx, valid_bs.reshape(-1))
         w = moe_lib.ExpertWeights(
@@ -204,6 +258,7 @@ class MoE(nnx.Module):
             self.bi_up[...],
             self.wo[...],
             self.bo[...],
+            self.expert_lora(adapter_ids, s),
         )
         y = moe_lib.EXPERT_IMPLS[cfg.moe_impl](
             x,
@@ -225,12 +280,12 @@ class DecoderLayer(nnx.Module):
         self.moe = MoE(cfg, rngs=rngs)
         self.dtype = DTYPES[cfg.dtype]
 
-    def __call__(self, x, rope, positions, segment_ids, valid, window, cache):
+    def __call__(self, x, rope, positions, segment_ids, valid, window, cache, adapter_ids=None):
         h, new_cache = self.attn(
-            self.attn_norm(x, self.dtype), rope, positions, segment_ids, window, cache
+            self.attn_norm(x, self.dtype), rope, positions, segment_ids, window, cache, adapter_ids
         )
         x = x + h
-        h, aux = self.moe(self.mlp_norm(x, self.dtype), valid)
+        h, aux = self.moe(self.mlp_norm(x, self.dtype), valid, adapter_ids)
         x = sharding.constrain(x + h, ("batch", "length", "act_embed"))
         return x, aux, new_cache
 
@@ -243,12 +298,14 @@ class Block(nnx.Module):
         self.sliding = DecoderLayer(cfg, rngs=rngs)
         self.full = DecoderLayer(cfg, rngs=rngs)
 
-    def __call__(self, x, rope, positions, segment_ids, valid, cache):
+    def __call__(self, x, rope, positions, segment_ids, valid, cache, adapter_ids=None):
         cache = cache or {"sliding": None, "full": None}
         x, aux1, c1 = self.sliding(
-            x, rope, positions, segment_ids, valid, self.window, cache["sliding"]
+            x, rope, positions, segment_ids, valid, self.window, cache["sliding"], adapter_ids
         )
-        x, aux2, c2 = self.full(x, rope, positions, segment_ids, valid, None, cache["full"])
+        x, aux2, c2 = self.full(
+            x, rope, positions, segment_ids, valid, None, cache["full"], adapter_ids
+        )
         new_cache = None if c1 is None else {"sliding": c1, "full": c2}
         return x, aux1 + aux2, new_cache
 
@@ -267,14 +324,20 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg, "final_norm", rngs=rngs)
         self.unembed = nnx.Dict(declared_params(cfg, "unembed", rngs))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, cache=None):
+    def __call__(self, tokens, positions=None, segment_ids=None, cache=None, adapter_ids=None):
         """tokens [b, s] int -> (hidden [b, s, d] after the final norm, MoE aux loss (mean
         over layers), new cache or None). Positions default to 0..s-1; segment_ids (0 =
         padding) default to all ones. `cache`: per-block KV caches stacked on a leading
-        axis, {"sliding": KVCache, "full": KVCache}, as made by `kv_cache.init`."""
+        axis, {"sliding": KVCache, "full": KVCache}, as made by `kv_cache.init`.
+        `adapter_ids` [b] int: with stacked adapters (cfg.lora.adapters > 0), the one each
+        row uses (default: adapter 0)."""
         cfg = self.cfg
         dt = DTYPES[cfg.dtype]
         b, s = tokens.shape
+        if cfg.lora is not None and cfg.lora.adapters and adapter_ids is None:
+            adapter_ids = jnp.zeros((b,), jnp.int32)
+        if cfg.lora is None or not cfg.lora.adapters:
+            adapter_ids = None
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if segment_ids is None:
@@ -290,7 +353,9 @@ class Transformer(nnx.Module):
         def body(x, xs):
             params, layer_cache = xs
             block = nnx.merge(graphdef, params)
-            x, aux, new_cache = block(x, rope, positions, segment_ids, valid, layer_cache)
+            x, aux, new_cache = block(
+                x, rope, positions, segment_ids, valid, layer_cache, adapter_ids
+            )
             return x, (aux, new_cache)
 
         body = remat.wrap(body, cfg.remat_policy, scanned=cfg.scan_layers)

@@ -205,6 +205,23 @@ def _newest_that_restores(root: str, steps: list[int], restore_one) -> tuple[int
     return None
 
 
+def read_meta(path: str) -> dict[str, Any]:
+    """The `meta` item of the newest checkpoint under `path` ({} if it has none)."""
+    found = find_step_dir(path)
+    if found is None:
+        raise CheckpointError(f"{path}: not an Orbax checkpoint written by gpt_oss_train")
+    root, step = found
+    if not storage.isdir(storage.join(root, str(step), META)):
+        return {}
+    mngr = _manager(root, read_only=True)
+    try:
+        return dict(
+            mngr.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        )
+    finally:
+        mngr.close()
+
+
 def load_params(path: str, abstract_params) -> tuple[Any, dict, int]:
     """(params restored into the shardings of `abstract_params`, model config, step). For a
     workdir or checkpoint root: the newest step whose params restore (damaged ones are
@@ -262,10 +279,20 @@ class TrainCheckpointer:
     agrees, saves and exits cleanly.
     """
 
-    def __init__(self, workdir: str, *, arch: dict, every: int, keep: int, async_save: bool = True):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        arch: dict,
+        every: int,
+        keep: int,
+        async_save: bool = True,
+        extra_meta: dict | None = None,
+    ):
         self.workdir = storage.normalize(workdir)
         self.directory = storage.join(self.workdir, "checkpoints")
         self.arch = dict(arch)
+        self.extra_meta = dict(extra_meta or {})  # more of `meta` (LoRA: spec and base)
         self.every = every
         self._keep, self._async = keep, async_save
         if find_step_dir(self.directory) is not None:
@@ -312,6 +339,7 @@ class TrainCheckpointer:
             "step": int(step),
             "seed": int(seed),
             "writer": "gpt_oss_train.train",
+            **self.extra_meta,
             **(meta or {}),
         }
         import grain

@@ -18,7 +18,9 @@ import ml_collections
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
 from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.model import lora
 from gpt_oss_train.model.transformer import ModelDef
+from gpt_oss_train.training import lora as lora_training
 from gpt_oss_train.training import steps
 from gpt_oss_train.training.data import BATCH_KEYS
 
@@ -36,6 +38,9 @@ class TrainSetup:
     batch_sharding: jax.sharding.NamedSharding
     train_step: Any  # jitted (state, batch) -> (state, metrics); the state is donated
     eval_step: Any  # jitted (params, batch) -> (summed nll, token count)
+    # LoRA: the frozen base (training/lora.py); params, gradients and optimizer state are
+    # then the adapters'. None: full fine-tuning.
+    frozen: lora_training.FrozenBase | None = None
 
     @property
     def model_cfg(self):
@@ -58,7 +63,12 @@ class TrainSetup:
         """A state at `step` from `params` (random ones from config.seed if None), with a
         fresh optimizer state; every array created straight into its sharding."""
         with self.scope():
-            if params is None:
+            if self.frozen is not None:  # LoRA: the base comes from the config; fresh adapters
+                params = lora_training.init_adapters(
+                    self.model_def, self.config.seed, self.mesh, self.rules,
+                    self.state_shardings["params"],
+                )  # fmt: skip
+            elif params is None:
                 params = self.model_def.init(self.config.seed, self.mesh, self.rules)
             opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt_state"])(
                 params
@@ -104,6 +114,10 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
     # mesh of compile-only devices (tools/aot_compile.py) an eager op has nowhere to run.
     param_sh = model_def.shardings(mesh, rules)
     abstract_params = model_def.abstract_params(mesh, rules)
+    frozen = None
+    if model_def.cfg.lora is not None:  # only the adapters train; the base is frozen
+        frozen = lora_training.FrozenBase(config, model_def, mesh, rules)
+        param_sh, abstract_params = lora.split(param_sh)[1], lora.split(abstract_params)[1]
     opt_sh = steps.opt_state_shardings(tx, abstract_params, param_sh, mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
@@ -113,14 +127,20 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
         "opt_state": _with_shardings(jax.eval_shape(tx.init, abstract_params), opt_sh),
     }
     batch_sh = sharding.batch_sharding(mesh, rules, 2)
+    frozen_sh = () if frozen is None else (frozen.shardings,)
     train_step = jax.jit(
         steps.make_train_step(model_def, tx, schedule, t),
-        in_shardings=(state_sh, batch_sh),
+        in_shardings=(state_sh, batch_sh, *frozen_sh),
         out_shardings=(state_sh, None),
         donate_argnums=0,
     )
-    eval_step = jax.jit(steps.make_eval_step(model_def, t), in_shardings=(param_sh, batch_sh))
+    eval_step = jax.jit(
+        steps.make_eval_step(model_def, t), in_shardings=(param_sh, batch_sh, *frozen_sh)
+    )
+    if frozen is not None:
+        train_step = lora_training.WithFrozen(train_step, frozen)
+        eval_step = lora_training.WithFrozen(eval_step, frozen)
     return TrainSetup(
         config, model_def, mesh, rules, tx, schedule, state_sh, abstract_state, batch_sh,
-        train_step, eval_step,
+        train_step, eval_step, frozen,
     )  # fmt: skip

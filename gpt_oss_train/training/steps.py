@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gpt_oss_train.model import parameters
+from gpt_oss_train.model import lora, parameters
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
 from gpt_oss_train.training import loss as loss_lib
 
@@ -62,16 +62,18 @@ def opt_state_shardings(tx, abstract_params, param_shardings, mesh):
 
 
 def make_loss_fn(model_def: ModelDef, t):
-    """loss_fn(params, batch) -> (summed objective, stats): sums over tokens, so the
-    gradient-accumulation path divides once by the total token count."""
+    """loss_fn(params, batch, frozen=None) -> (summed objective, stats): sums over tokens,
+    so the gradient-accumulation path divides once by the total token count. With LoRA,
+    `params` are the adapters (what is differentiated) and `frozen` the base."""
     dtype = DTYPES[model_def.cfg.dtype]
 
-    def loss_fn(params, batch):
-        model = model_def.bind(params)
+    def loss_fn(params, batch, frozen=None):
+        tree = params if frozen is None else lora.merge(frozen, params)
+        model = model_def.bind(tree)
         hidden, aux, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
         nll, z, n = loss_lib.lm_loss_sums(
             hidden,
-            params["unembed"]["kernel"],
+            tree["unembed"]["kernel"],
             batch["targets"],
             batch["loss_mask"],
             chunk=t.loss_chunk_size,
@@ -98,10 +100,10 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
     loss_fn = make_loss_fn(model_def, t)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state, batch):
+    def train_step(state, batch, frozen=None):
         params = state["params"]
         if t.grad_accum_steps == 1:
-            (_, stats), grads = grad_fn(params, batch)
+            (_, stats), grads = grad_fn(params, batch, frozen)
         else:
             # Microbatches under scan: the summed gradients of k microbatches equal those of
             # the whole batch (up to float summation order), at 1/k of the activation memory.
@@ -110,7 +112,7 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
             zeros = jax.tree.map(jnp.zeros_like, params)
 
             def one(acc, mb):
-                (_, st), g = grad_fn(params, mb)
+                (_, st), g = grad_fn(params, mb, frozen)
                 return jax.tree.map(jnp.add, acc, (g, st)), None
 
             zero_stats = {k_: jnp.zeros((), jnp.float32) for k_ in ("nll", "z", "aux", "tokens")}
@@ -140,8 +142,8 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
 def make_eval_step(model_def: ModelDef, t):
     loss_fn = make_loss_fn(model_def, t)
 
-    def eval_step(params, batch):
-        _, stats = loss_fn(params, batch)
+    def eval_step(params, batch, frozen=None):
+        _, stats = loss_fn(params, batch, frozen)
         return stats["nll"], stats["tokens"]
 
     return eval_step

@@ -172,10 +172,10 @@ def _grouped_ffn(
 
 
 # On GPU, XLA rewrites a matrix-vector product into a column reduction, which reads the
-# gathered expert weights at ~0.5 TB/s on an H200 (0.40 ms per gpt-oss-20b layer at batch
-# 1). Giving each product 16 rows, 15 of them zero, makes it a batched GEMM instead:
-# 0.23 ms (docs/PERFORMANCE.md). The extra FLOPs are free on a GPU at decode sizes but
-# not on a CPU, so other platforms keep one row.
+# gathered expert weights at a fraction of the memory bandwidth. Giving each product 16
+# rows, 15 of them zero, makes it a batched GEMM instead, about twice as fast (profile in
+# docs/PERFORMANCE.md). The extra FLOPs are free on a GPU at decode sizes but not on a
+# CPU, so other platforms keep one row.
 GPU_GEMV_ROWS = 16
 
 
@@ -218,11 +218,10 @@ def gathered_ffn(
 def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
     """Whether a batch is decode-sized enough for `gathered_ffn`: on accelerators, while
     tokens x k <= experts / 4. Gathering copies each chosen expert, so it only pays while
-    few experts are chosen in total (H200, gpt-oss-20b: 12 ms/step at batch 1, but 64 ms
-    at batch 8 where grouped matmuls read each expert once). On a CPU the tiled grouped
-    matmul, which also reads only the chosen experts, is faster at every batch size
-    (2-core Zen 3, 32 experts of 768 x 768: 6-8 against 10 ms at 1 token, 2-3x at 2-16;
-    tools/moe_benchmark.py --mode=decode)."""
+    few experts are chosen in total; past that, grouped matmuls that read each expert once
+    win. On a CPU the tiled grouped matmul, which also reads only the chosen experts, is
+    faster at every batch size (tools/moe_benchmark.py --mode=decode; figures for both in
+    docs/PERFORMANCE.md)."""
     return sharding.platform() != "cpu" and 4 * tokens * k <= num_experts
 
 

@@ -14,24 +14,14 @@ of this shape (seed config.seed), which only checks the plumbing. The argument
 MXFP4 base, rank 16, sequence 2048, remat, bfloat16 compute.
 """
 
-from gpt_oss_train.config import default_config, model_preset
+import os
+
+from gpt_oss_train.config import from_file, model_preset
 
 
 def get_config(arg: str = ""):
-    c = default_config()
-    c.model.update(
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        num_experts=4,
-        experts_per_token=2,
-        intermediate_size=64,
-        sliding_window=32,
-    )
-    c.dtype = "float32"  # CPUs have no fast bfloat16 matmul
-    c.remat_policy = "none"
+    # configs/sft_chat.py's model and data, with LoRA and a learning rate for adapters
+    c = from_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sft_chat.py"))
     c.lora.update(rank=8, alpha=16.0, targets="q,k,v,o,gate_up,down")
     c.train.update(
         steps=60,
@@ -40,13 +30,10 @@ def get_config(arg: str = ""):
         learning_rate=1e-2,
         warmup_steps=5,
         end_lr_ratio=0.1,
-        weight_decay=0.0,
         log_every=10,
         loss_chunk_size=128,
-        aux_loss_coef=0.0,
     )
-    c.checkpoint.update(every=20, keep=2)
-    c.data.update(source="chat:data/sample_chat.jsonl")
+    c.checkpoint.update(every=20)
     if arg:
         c.model = model_preset(arg)
         c.dtype = "bfloat16"

@@ -145,4 +145,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from gpt_oss_train.inference import engine, requests
+from gpt_oss_train import config as config_lib
+from gpt_oss_train.inference import loading, requests
 from gpt_oss_train.io import hf, lora_export
 from gpt_oss_train.io import peft as peft_io
 from gpt_oss_train.model import lora
@@ -30,7 +31,7 @@ def folders(random_hf_model, tmp_path_factory):
     arch = hf.HFCheckpoint(str(root / "base")).model_config
     for i, (targets, rank) in enumerate([(("q", "v", "gate_up", "down"), 4), (("o", "router"), 2)]):
         spec = lora.LoraSpec(rank, 2.0 * rank, targets)
-        cfg = engine.config_lib.ModelConfig(**arch).replace(lora=spec)
+        cfg = config_lib.ModelConfig(**arch).replace(lora=spec)
         shapes = lora.split(ModelDef(cfg).abstract_params())[1]
         rng = np.random.RandomState(i)
         tree = jax.tree.map(lambda a: 0.3 * rng.standard_normal(a.shape).astype(np.float32), shapes)
@@ -39,14 +40,14 @@ def folders(random_hf_model, tmp_path_factory):
 
 
 def runtime():
-    c = engine.default_runtime_config()
+    c = loading.default_runtime_config()
     c.dtype = "float32"
     return c
 
 
 def generate(model, lines):
     data = "\n".join(json.dumps(line) for line in lines).encode()
-    opts = engine.Options(max_new_tokens=8, batch_size=4, prefill_chunk=16)
+    opts = loading.Options(max_new_tokens=8, batch_size=4, prefill_chunk=16)
     return requests.run_generate(model, data, opts)
 
 
@@ -70,7 +71,7 @@ def test_decode_cli_with_adapter_equals_the_merged_export(folders, tmp_path):
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         outs[name] = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
-    base_model = engine.load_model(str(root / "base"), runtime())
+    base_model = loading.load_model(str(root / "base"), runtime())
     plain = generate(base_model, [{"tokens": p} for p in PROMPTS])
     for a, m, p in zip(outs["adapter"], outs["merged"], plain):
         assert a["tokens"] == m["tokens"]
@@ -81,7 +82,7 @@ def test_decode_cli_with_adapter_equals_the_merged_export(folders, tmp_path):
 def test_several_adapters_each_row_gets_the_one_it_names(folders):
     root, _ = folders
     rt = runtime()
-    both = engine.load_model(
+    both = loading.load_model(
         str(root / "base"), rt, adapters=[("a", str(root / "ad0")), ("b", str(root / "ad1"))]
     )
     assert both.adapters == ("a", "b") and both.cfg.lora.adapters == 3
@@ -96,7 +97,7 @@ def test_several_adapters_each_row_gets_the_one_it_names(folders):
     assert got[4]["error"].startswith("line 5: \"adapter\": 'nope' is not loaded")
     alone = {
         name: generate(
-            engine.load_model(str(root / "base"), rt, adapters=[("", str(root / d))] if d else []),
+            loading.load_model(str(root / "base"), rt, adapters=[("", str(root / d))] if d else []),
             [{"tokens": p} for p in PROMPTS],
         )
         for name, d in (("a", "ad0"), ("b", "ad1"), (None, ""))
@@ -123,7 +124,7 @@ def _other_base_adapter(cfg, folder, arch):
 
     spec = peft_io.read_spec(str(folder))
     arch = {**arch, "hidden_size": 32}
-    cfg = engine.config_lib.ModelConfig(**arch).replace(lora=spec)
+    cfg = config_lib.ModelConfig(**arch).replace(lora=spec)
     shapes = lora.split(ModelDef(cfg).abstract_params())[1]
     tree = jax.tree.map(lambda a: np.zeros(a.shape, np.float32), shapes)
     save_file(
@@ -152,7 +153,7 @@ def test_adapters_that_do_not_fit_are_one_line_errors(folders, tmp_path, edit, m
     root, arch = folders
     bad = _broken_copy(root, tmp_path, edit, arch)
     with pytest.raises(peft_io.AdapterError, match=match) as e:
-        engine.load_model(str(root / "base"), runtime(), adapters=[("", bad)])
+        loading.load_model(str(root / "base"), runtime(), adapters=[("", bad)])
     assert "\n" not in str(e.value)
     if edit is _other_base_adapter:  # the CLI: exit 2, one line, before any compile
         inp = tmp_path / "in.jsonl"

@@ -70,7 +70,12 @@ def test_second_trainer_is_refused_and_the_first_saves(train_cli, tmp_path):
         assert len(errors) == 1 and "workdir" in errors[0] and str(first.pid) in errors[0], errors
         assert "Traceback" not in second.stderr
 
-        # The first run still owns the workdir: SIGTERM saves its step and exits 0.
+        # The first run still owns the workdir and trains; once it has logged a step (its
+        # SIGTERM handler is in place), SIGTERM saves that step and it exits 0.
+        metrics = workdir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
         first.send_signal(signal.SIGTERM)
         out, _ = first.communicate(timeout=300)
     finally:

@@ -143,11 +143,12 @@ def test_cancel_frees_the_slot_within_a_step(engine):
     handle = engine.submit(_prompts(6, [10])[0], RequestParams(max_tokens=50))
     events = iter(handle)
     seen = [next(events).token for _ in range(3)]
+    produced = len(handle._events)  # the reader may lag the engine on a busy machine
     handle.cancel()
     rest = list(events)
     assert rest[-1].finish_reason == "cancelled" and rest[-1].token == NO_TOKEN
-    assert len(rest) <= 2  # at most the token of a step already running
     result = handle.result()
+    assert len(result.tokens) <= produced + 1  # at most the token of a step already running
     assert result.finish_reason == "cancelled" and result.tokens[:3] == seen
     assert engine.stats()["running"] == 0
     assert engine.submit([1, 2, 3], RequestParams(max_tokens=2)).result().finish_reason == "length"

@@ -64,7 +64,9 @@ def test_compiles_for_a_tpu_slice_and_reports_memory(tmp_path):
     assert r["devices"] == 4 and r["device_kind"] == "TPU v5 lite", r
     assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}, r
     assert r["error"] is None, r["error"]
-    for key in ("arguments_bytes", "outputs_bytes", "temp_bytes", "total_bytes"):
+    # (No temp_bytes check: libtpu 0.0.42.1 keeps this tiny step's temporaries on chip,
+    # in VMEM, so its HBM temporaries are 0.)
+    for key in ("arguments_bytes", "outputs_bytes", "total_bytes"):
         assert r[key] > 0, (key, r)
     # The state is donated: the new state is written over the old one.
     assert r["aliased_bytes"] > 0.9 * r["outputs_bytes"], r
@@ -72,7 +74,9 @@ def test_compiles_for_a_tpu_slice_and_reports_memory(tmp_path):
     # shapes and shardings: five int32 [4, 128] arrays over 4 batch shards, the step count.
     batch_bytes = 5 * (4 // 4) * 128 * 4
     expected = r["state_bytes_per_device"] + batch_bytes + 4
-    assert r["arguments_bytes"] == pytest.approx(expected, rel=0.01), r
+    # TPU layouts pad small minor dims to whole tiles (libtpu 0.0.42.1: 1.6x here), so
+    # the exact sum is a lower bound.
+    assert expected <= r["arguments_bytes"] <= 4 * expected, r
     # Compiled FLOPs count remat, masked attention and the routing work the model estimate
     # leaves out, but they are of the same order.
     assert 0.5 < r["compiled_flops_per_device"] / r["model_flops_per_device"] < 20, r
@@ -108,3 +112,17 @@ print(sorted({d.slice_index for d in mesh.devices[0].flat}),
     shape, slices = proc.stdout.strip().splitlines()[-2:]
     assert shape == "{'data': 2, 'fsdp': 8, 'tensor': 1, 'expert': 2}", proc.stdout
     assert slices == "[0] [1]", proc.stdout
+
+
+def test_lora_step_takes_the_frozen_base_as_an_argument(tmp_path):
+    # QLoRA: the MXFP4 base is an argument of the compiled step with its shardings, so
+    # XLA's argument bytes are the adapters' state + the base's shards + the batch.
+    proc, r = _run(tmp_path, "--config.lora.rank=4", "--config.lora.base_format=mxfp4")
+    assert r is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["error"] is None and r["frozen_format"] == "mxfp4", r
+    batch_bytes = 5 * (4 // 4) * 128 * 4
+    expected = r["state_bytes_per_device"] + r["frozen_bytes_per_device"] + batch_bytes + 4
+    assert expected <= r["arguments_bytes"] <= 4 * expected, r  # tile padding: 2.4x here
+    assert r["frozen_bytes_per_device"] > 2 * r["state_bytes_per_device"], r
+    assert any("frozen/" in row and "blocks" in row for row in r["top_arguments"]), r
+    assert "frozen base" in proc.stdout, proc.stdout[-2000:]

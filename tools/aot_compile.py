@@ -77,7 +77,16 @@ def topology_devices(topology: str, num_slices: int = 1) -> list:
 
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
     try:
-        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs)
+        try:
+            desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs)
+        except Exception as e:
+            if "chips_per_host_bounds" not in str(e):
+                raise
+            # A slice smaller than one host's default 2x2 chips (v5e:1x1, v5e:2x1): one
+            # host holds it all.
+            dims = [int(d) for d in topology.split(":")[-1].split("x")]
+            kwargs["chips_per_host_bounds"] = (dims + [1, 1])[:3]
+            desc = topologies.get_topology_desc(topology_name=topology, platform="tpu", **kwargs)
     except Exception as e:
         raise SystemExit(
             f"--topology={topology}: libtpu cannot describe it ({e}). Use "
@@ -96,6 +105,26 @@ def lower_train_step(config, devices):
         return setup, setup.train_step.lower(setup.abstract_state, setup.abstract_batch())
 
 
+def _bytes_per_device(a) -> int:
+    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+
+
+def largest_arguments(setup, n: int) -> list[tuple[int, str]]:
+    """The n largest per-device argument arrays of the step, (bytes, "path shape dtype"):
+    named from the trees the step is called with (state, and a LoRA run's frozen base)."""
+    import jax
+
+    trees = {"state": setup.abstract_state}
+    if setup.frozen is not None:
+        trees["frozen"] = setup.frozen.abstract
+    rows = []
+    for key_path, a in jax.tree_util.tree_leaves_with_path(trees):
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
+        shard = a.sharding.shard_shape(a.shape)
+        rows.append((_bytes_per_device(a), f"{name} {a.dtype}{list(shard)}"))
+    return sorted(rows, key=lambda r: -r[0])[:n]
+
+
 def _state_figures(setup, devices) -> dict:
     """The state's bytes per device against an even split over the mesh axes that shard
     any parameter: the gap is state left replicated, by rules that leave an axis out for
@@ -108,9 +137,7 @@ def _state_figures(setup, devices) -> dict:
     abstract = setup.abstract_state
     leaves = jax.tree.leaves({"params": abstract["params"], "opt_state": abstract["opt_state"]})
     state_bytes = sum(a.size * a.dtype.itemsize for a in leaves)
-    state_per_device = sum(
-        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in leaves
-    )
+    state_per_device = sum(map(_bytes_per_device, leaves))
     param_axes = {
         ax
         for s in jax.tree.leaves(setup.state_shardings["params"])
@@ -121,8 +148,13 @@ def _state_figures(setup, devices) -> dict:
     mc, t = setup.model_cfg, setup.config.train
     counts = parameters.counts(mc)
     tokens = t.global_batch_size * t.seq_len
+    frozen = setup.frozen.abstract if setup.frozen is not None else {}
     return {
         "state_bytes_per_device": state_per_device,
+        # LoRA: the frozen base, an argument of the step beside the (adapter) state
+        "frozen_format": setup.frozen.format if setup.frozen is not None else None,
+        "frozen_bytes_per_device": sum(map(_bytes_per_device, jax.tree.leaves(frozen))),
+        "params_trainable": sum(a.size for a in jax.tree.leaves(abstract["params"])),
         "state_bytes_even_split": state_bytes / math.prod(setup.mesh.shape[a] for a in param_axes),
         "state_split_axes": sorted(param_axes),
         "mesh": dict(setup.mesh.shape),
@@ -149,6 +181,9 @@ def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
     t0 = time.perf_counter()
     setup, lowered = lower_train_step(config, devices)
     info = _state_figures(setup, devices)
+    info["top_arguments"] = [
+        f"{b / 2**20:10.1f}MiB  {what}" for b, what in largest_arguments(setup, 6)
+    ]
     info["lower_s"] = time.perf_counter() - t0
     # The dump holds XLA's memory-usage report, which it writes even when the program does
     # not fit: the only way to see what filled the memory in that case.
@@ -252,6 +287,12 @@ def report(r: dict) -> str:
         f"device ({r['state_bytes_even_split'] / GiB:.2f} GiB if split evenly over "
         f"{' x '.join(r['state_split_axes']) or 'nothing'})",
     ]
+    if r.get("frozen_format"):
+        lines.append(
+            f"frozen base {r['frozen_bytes_per_device'] / GiB:.2f} GiB per device "
+            f"({r['frozen_format']}; an argument of the step, not donated); "
+            f"{r['params_trainable'] / 1e6:.1f}M adapter params train"
+        )
     excess = r["state_bytes_per_device"] - r["state_bytes_even_split"]
     if excess > 0.5 * r["state_bytes_even_split"] and excess > 2**26:
         lines.append(
@@ -264,7 +305,8 @@ def report(r: dict) -> str:
         hbm = r["hbm_bytes"]
         lines += [
             "memory per device:",
-            f"  arguments {g(r['arguments_bytes'])}   params, optimizer state, batch",
+            f"  arguments {g(r['arguments_bytes'])}   params, optimizer state, batch"
+            + (", frozen base" if r.get("frozen_format") else ""),
             f"  outputs   {g(r['outputs_bytes'])}   of which {r['aliased_bytes'] / GiB:.2f} GiB "
             "reuse the donated arguments",
             f"  temps     {g(r['temp_bytes'])}   activations, gradients, gathered weights",
@@ -283,6 +325,9 @@ def report(r: dict) -> str:
             lines.append(
                 f"            (XLA counts loop bodies once: {', '.join(loops).replace('_', ' ')})"
             )
+    if r.get("top_arguments"):
+        lines.append("largest arguments per device (state, frozen base):")
+        lines += ["  " + row for row in r["top_arguments"]]
     if r.get("top_buffers"):
         lines.append("largest HBM buffers (XLA memory-usage report; each row is one buffer and")
         lines.append("the values that take turns in it):")

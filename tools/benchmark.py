@@ -10,6 +10,11 @@ JAX sees. No checkpoint and no data needed: a capacity-planning tool.
   python tools/benchmark.py --mode=decode --config=configs/gpu_h100.py \
       --batch_sizes=1,8 --prompt_len=128 --new_tokens=64
 
+  # LoRA / QLoRA: the same step with the base frozen (config.lora), e.g. rank-16
+  # adapters on an MXFP4 base; records carry lora_rank and base_format
+  python tools/benchmark.py --mode=train --config=configs/cpu_bench.py \
+      --config.lora.rank=16 --config.lora.base_format=mxfp4
+
   # where a decode step's device time goes: add --profile_dir=DIR (a JAX profiler trace
   # per batch size, summarized as kernels by total time and launches per step)
 
@@ -167,6 +172,9 @@ def bench_train(config):
             "moe_impl": mc.moe_impl,
             "attention_impl": mc.attention_impl,
             "remat": mc.remat_policy,
+            # LoRA: the adapters' rank and the frozen base's format (0 / None: full FT)
+            "lora_rank": mc.lora.rank if mc.lora else 0,
+            "base_format": setup.frozen.format if setup.frozen else None,
             "side": "jax",
             "dtype": mc.dtype,
             "compile_s": round(compile_s, 1),

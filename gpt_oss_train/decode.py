@@ -62,6 +62,7 @@ import sys
 from absl import app, flags, logging
 
 from gpt_oss_train import errors, logs, runtime
+from gpt_oss_train.inference import adapters as adapters_lib
 from gpt_oss_train.inference import loading, requests
 from gpt_oss_train.inference.generate import SamplingParams
 from gpt_oss_train.inference.loading import DecodeError, Options
@@ -213,36 +214,11 @@ def _write_jsonl(records: list[dict], path: str | None):
         sys.stdout.write(text)
 
 
-def _adapters(f) -> list[tuple[str, str]]:
-    """--adapter entries as (name, folder); "" names the one every request uses."""
-    out = [tuple(a.split("=", 1)) if "=" in a else ("", a) for a in f.adapter]
-    if len(out) > 1 and any(not name for name, _ in out):
-        raise DecodeError("--adapter: several adapters need names: NAME=DIR,NAME2=DIR2")
-    return out
-
-
-def _base_of(adapters: list[tuple[str, str]]) -> str:
-    """The base a LoRA training workdir records, for --adapter without --checkpoint."""
-    from gpt_oss_train.inference import adapters as adapters_lib
-    from gpt_oss_train.training import checkpoint as ckpt_lib
-
-    path = adapters[0][1]
-    source = ""
-    if ckpt_lib.is_orbax_checkpoint(path):
-        meta = ckpt_lib.read_meta(path).get(adapters_lib.META_KEY, {})
-        source = meta.get("base", {}).get("source", "")
-    if not source:
-        raise DecodeError(
-            f"--adapter={path} does not name the checkpoint it was trained on; pass --checkpoint"
-        )
-    return source
-
-
 def _run(f) -> int:
     opts = _check_flags(f)
-    adapters = _adapters(f)
+    adapters = adapters_lib.parse_flag(f.adapter)
     if adapters and not f.checkpoint:
-        f.checkpoint = _base_of(adapters)
+        f.checkpoint = adapters_lib.base_of(adapters)
     kind = loading.checkpoint_kind(f.checkpoint)
     if f.compare_hf and kind != "hf":
         raise DecodeError(

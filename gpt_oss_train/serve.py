@@ -3,13 +3,17 @@ reasoning and tool calls):
 
     python -m gpt_oss_train.serve --checkpoint=DIR [--host=127.0.0.1 --port=8000
         --max_slots=8 --max_context=4096 --dtype=float32 --int8_weights --int8_kv_cache
-        --served_model_name=NAME --config.mesh.tensor=2 ...]
+        --served_model_name=NAME --adapter=NAME=DIR,NAME2=DIR2 --config.mesh.tensor=2 ...]
 
 --checkpoint and --config are decode's (an Orbax checkpoint or a Hugging Face folder; the
 runtime config sets mesh, dtype and kernels). The engine starts with --max_slots decode
 slots of --max_context positions each and says what memory it holds. SIGTERM (or Ctrl-C)
 stops accepting connections, lets running requests finish for up to --grace_period_s
 seconds, and exits 0.
+
+--adapter is decode's: LoRA adapters beside the base, never merged. --adapter=DIR: every
+request uses that adapter. --adapter=NAME=DIR,...: a request picks one by sending
+"model": NAME (the served model name gives the base), and /v1/models lists them all.
 """
 
 from __future__ import annotations
@@ -34,7 +38,19 @@ def _define_flags():
     config_flags.DEFINE_config_file(
         "config", os.path.abspath(__file__), "Runtime config (mesh, dtype, kernels)."
     )
-    flags.DEFINE_string("checkpoint", None, "Orbax checkpoint / workdir, or a HF gpt-oss folder.")
+    flags.DEFINE_string(
+        "checkpoint",
+        None,
+        "Orbax checkpoint / workdir, or a HF gpt-oss folder (with --adapter: default, the "
+        "base the adapter was trained on).",
+    )
+    flags.DEFINE_list(
+        "adapter",
+        [],
+        "LoRA adapters beside the base, unmerged: DIR (every request uses it) or "
+        'NAME=DIR,NAME2=DIR2 (a request sends "model": NAME; the served name: the base). '
+        "DIR: a PEFT adapter folder or a LoRA training workdir.",
+    )
     flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
     flags.DEFINE_integer("port", 8000, "Port to listen on.")
     flags.DEFINE_string("served_model_name", None, "Model name in the API (default: folder name).")
@@ -62,10 +78,11 @@ def _check_flags(f) -> None:
         raise DecodeError("--max_queue and --grace_period_s must be >= 0")
 
 
-def _engine(f):
+def _engine(f, adapters):
     from gpt_oss_train.inference.engine import Engine
 
     kw = dict(
+        adapters=adapters,
         config=f["config"].value,
         dtype=f.dtype,
         max_slots=f.max_slots,
@@ -104,9 +121,13 @@ def serve(app_, host: str, port: int, grace_s: float, access_log: bool = False) 
 
 
 def _run(f) -> int:
+    from gpt_oss_train.inference import adapters as adapters_lib
     from gpt_oss_train.inference.server.app import create_app
 
     _check_flags(f)
+    adapters = adapters_lib.parse_flag(f.adapter)
+    if adapters and not f.checkpoint:
+        f.checkpoint = adapters_lib.base_of(adapters)
     kind = loading.checkpoint_kind(f.checkpoint)
     arch = loading.read_architecture(f.checkpoint, kind)
     if f.max_context > arch["max_position_embeddings"]:
@@ -115,7 +136,12 @@ def _run(f) -> int:
             f"{arch['max_position_embeddings']}"
         )
     name = f.served_model_name or os.path.basename(os.path.abspath(f.checkpoint))
-    eng = _engine(f)
+    if name in [n for n, _ in adapters]:
+        raise DecodeError(
+            f"--adapter: {name!r} is also the served model's name (the base); rename the "
+            "adapter or pass --served_model_name"
+        )
+    eng = _engine(f, adapters)
     eng.start()
     app_ = create_app(
         eng,
@@ -124,7 +150,8 @@ def _run(f) -> int:
         max_context=f.max_context,
         vocab_size=arch["vocab_size"],
     )
-    logging.info("Serving %s at http://%s:%d/v1", name, f.host, f.port)
+    served = ", ".join((name, *eng.adapters))
+    logging.info("Serving %s at http://%s:%d/v1", served, f.host, f.port)
     try:
         serve(app_, f.host, f.port, f.grace_period_s, f.access_log)
     finally:

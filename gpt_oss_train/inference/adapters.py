@@ -30,6 +30,28 @@ from gpt_oss_train.training.lora import META_KEY
 AdapterError = peft_io.AdapterError
 
 
+def parse_flag(entries: Sequence[str]) -> list[tuple[str, str]]:
+    """--adapter entries (decode's and serve's) as (name, folder): DIR is ("", DIR), the
+    one adapter every request uses; NAME=DIR one a request picks by NAME."""
+    out = [tuple(a.split("=", 1)) if "=" in a else ("", a) for a in entries]
+    if len(out) > 1 and any(not name for name, _ in out):
+        raise AdapterError("--adapter: several adapters need names: NAME=DIR,NAME2=DIR2")
+    return out
+
+
+def base_of(named: Sequence[tuple[str, str]]) -> str:
+    """The base a LoRA training workdir records, for --adapter without --checkpoint."""
+    path = named[0][1]
+    source = ""
+    if ckpt_lib.is_orbax_checkpoint(path):
+        source = ckpt_lib.read_meta(path).get(META_KEY, {}).get("base", {}).get("source", "")
+    if not source:
+        raise AdapterError(
+            f"--adapter={path} does not name the checkpoint it was trained on; pass --checkpoint"
+        )
+    return source
+
+
 @dataclasses.dataclass
 class Adapter:
     name: str

@@ -17,6 +17,12 @@ functions, slots.py for the host-side bookkeeping, prefix_cache.py for prefix re
 
 Greedy results equal `decode --mode=generate` of each prompt alone, and a seeded
 sample depends on its own seed only, whatever else is batched with it.
+
+LoRA adapters (`adapters=[(name, folder)]`, as decode's --adapter) sit beside the base,
+never merged. One unnamed adapter serves every request; named ones are stacked and each
+request picks one by `RequestParams.adapter` (None: the base). Every slot carries its
+request's adapter into the compiled steps, so requests for different adapters and for
+the base are batched together; the prefix cache keys blocks by adapter too.
 """
 
 from __future__ import annotations
@@ -129,6 +135,10 @@ class Engine:
         opts = opts.check(model.cfg.max_position_embeddings)
         self.model, self.opts = model, opts
         self.max_context = opts.max_context
+        stacked = model.cfg.lora is not None and model.cfg.lora.adapters > 0
+        # The names a request may give as RequestParams.adapter (stacked adapters only:
+        # one unnamed adapter serves every request).
+        self.adapters: tuple[str, ...] = model.adapters if stacked else ()
         self.steps = EngineSteps(
             model.md,
             max_slots=opts.max_slots,
@@ -162,6 +172,7 @@ class Engine:
         int8_weights: bool = False,
         devices=None,
         compilation_cache: bool = True,
+        adapters: Sequence[tuple[str, str]] = (),
         **options,
     ) -> Engine:
         """An engine over a checkpoint (an Orbax tree or a Hugging Face folder), loaded as
@@ -172,14 +183,22 @@ class Engine:
         prefix_cache_tokens (default 4 x max_context, 0: off), max_queue=256 (requests
         waiting for a slot), max_logprobs=20 (the most top alternatives a request may
         ask for). Options are checked before the checkpoint is read.
-        `compilation_cache`: turn on JAX's persistent compilation cache (process-wide)."""
+        `compilation_cache`: turn on JAX's persistent compilation cache (process-wide).
+        `adapters`: LoRA adapters [(name, folder)] beside the base, as decode's --adapter:
+        [("", folder)] is one adapter every request uses; named ones are chosen per
+        request (RequestParams.adapter, None: the base)."""
         opts = EngineOptions(**options)
         kind = loading.checkpoint_kind(path)
         opts.check(loading.read_architecture(path, kind)["max_position_embeddings"])
         if compilation_cache:
             enable_compilation_cache()
         model = loading.load_model(
-            path, config, dtype=dtype, int8_weights=int8_weights, devices=devices
+            path,
+            config,
+            dtype=dtype,
+            int8_weights=int8_weights,
+            devices=devices,
+            adapters=adapters,
         )
         return cls(model, opts)
 
@@ -238,11 +257,24 @@ class Engine:
     def _reject(self, message: str, status: int = 400):
         self._loop.reject(message, status)
 
+    def adapter_slot(self, name: str | None) -> int:
+        """The stacked adapter slot a request for adapter `name` runs with (decode's
+        rule: None is the base, or the one unnamed adapter); RequestRejected (400) naming
+        the loaded adapters for a name that is not loaded."""
+        from gpt_oss_train.inference import requests
+
+        stacked = bool(self.adapters)
+        try:
+            return requests.adapter_slot(name, self.model.adapters, stacked)
+        except requests.LineError as e:
+            self._reject(str(e), 400)
+
     def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams()):
         """Queues a request; returns its RequestHandle. Raises RequestRejected before
         queueing: 400 for an empty or out-of-vocabulary prompt, bad parameters, or
         len(prompt) + max_tokens > max_context; 429 when max_queue requests already
-        wait for a slot; 503 once stop() has begun (both with retry_after_s)."""
+        wait for a slot; 503 once stop() has begun (both with retry_after_s); 400 for an
+        adapter that is not loaded."""
         vocab = self.model.cfg.vocab_size
         if not isinstance(params, RequestParams):
             self._reject(f"params must be a RequestParams, got {type(params).__name__}", 400)
@@ -253,6 +285,7 @@ class Engine:
             self._reject(str(e), 400)
         except TypeError:
             self._reject("the prompt must be a list of integer token ids", 400)
+        adapter = self.adapter_slot(params.adapter)
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
             self._reject(f"the prompt must be 1 or more token ids in [0, {vocab})", 400)
         if len(prompt) + params.max_tokens > self.max_context:
@@ -263,7 +296,7 @@ class Engine:
             )
         handle = RequestHandle(next(self._ids), prompt, self._loop.wake)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self._loop.enqueue(handle, params, seed)
+        self._loop.enqueue(handle, params, seed, adapter)
         return handle
 
     def generate(
@@ -324,11 +357,13 @@ class Engine:
         completion.messages = loading.tokenizer().parse_completion(completion.tokens)
         return completion
 
-    def score(self, prompt: Sequence[int]) -> list[float]:
+    def score(self, prompt: Sequence[int], adapter: str | None = None) -> list[float]:
         """log p(t[i+1] | t[:i+1]) for i in [0, n-1) of a prompt of n >= 2 tokens, as
-        `decode --mode=score` computes them (runs on the calling thread, beside the loop)."""
+        `decode --mode=score` computes them, under `adapter` (as RequestParams.adapter).
+        Runs on the calling thread, beside the loop."""
         from gpt_oss_train.inference import requests
 
+        slot = self.adapter_slot(adapter)
         vocab = self.model.cfg.vocab_size
         try:
             ids = tuple(_token_ids(prompt))
@@ -340,7 +375,7 @@ class Engine:
                 400,
             )
         fn = self.model.kept("scorer", lambda: requests.score_fn(self.model))
-        return requests.score_batch(self.model, fn, [ids], rows=1)[0].tolist()
+        return requests.score_batch(self.model, fn, [ids], rows=1, adapter=slot)[0].tolist()
 
     def stats(self) -> dict:
         """Counters since start-up (EngineStats.COUNTERS), gauges (queue_depth, running,

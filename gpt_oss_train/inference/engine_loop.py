@@ -46,7 +46,8 @@ class EngineLoop:
             self.pool = steps.new_pool()
         self.index = PrefixIndex(steps.pool_blocks)
         self.slots = slots.SlotTable(steps.max_slots)
-        self.queue: collections.deque[tuple[RequestHandle, RequestParams, int]] = (
+        # (handle, params, seed, adapter slot), first come first served
+        self.queue: collections.deque[tuple[RequestHandle, RequestParams, int, int]] = (
             collections.deque()
         )
         self.cond = threading.Condition()
@@ -57,9 +58,12 @@ class EngineLoop:
 
     # -- other threads ------------------------------------------------------------------
 
-    def enqueue(self, handle: RequestHandle, params: RequestParams, seed: int) -> None:
-        """Queues a request, or raises RequestRejected: 503 once stopping, 429 when
-        max_queue requests already wait beyond the free slots."""
+    def enqueue(
+        self, handle: RequestHandle, params: RequestParams, seed: int, adapter: int = 0
+    ) -> None:
+        """Queues a request (to run with stacked adapter slot `adapter`), or raises
+        RequestRejected: 503 once stopping, 429 when max_queue requests already wait
+        beyond the free slots."""
         with self.cond:
             if not self.accepting or self.dead is not None:
                 self.reject("the engine is shutting down", 503, self._retry_after_s())
@@ -69,7 +73,7 @@ class EngineLoop:
                     429,
                     self._retry_after_s(),
                 )
-            self.queue.append((handle, params, seed))
+            self.queue.append((handle, params, seed, adapter))
             self.cond.notify_all()
 
     def reject(self, message: str, status: int, retry_after_s: float | None = None):
@@ -153,10 +157,10 @@ class EngineLoop:
             with self.cond:
                 if not self.queue:
                     return
-                handle, params, seed = self.queue.popleft()
+                handle, params, seed, adapter = self.queue.popleft()
             pooled = self.steps.pool_blocks > 0
-            names = block_names(handle.prompt, self.steps.block) if pooled else []
-            a = self.slots.take(handle, params, seed, names)
+            names = block_names(handle.prompt, self.steps.block, adapter) if pooled else []
+            a = self.slots.take(handle, params, seed, names, adapter)
             self._guarded([a], self._restore, a)
 
     def _restore(self, a: slots.Active) -> None:
@@ -186,6 +190,7 @@ class EngineLoop:
             x["last"],
             x["settings"],
             x["want_top"],
+            x["adapter_ids"],
             context=x["context"],
         )
         self._save_blocks(a, start, start + x["n"])
@@ -216,6 +221,7 @@ class EngineLoop:
             x["positions"],
             x["settings"],
             x["want_top"],
+            x["adapter_ids"],
             rows=x["rows"],
             context=x["context"],
         )
@@ -249,14 +255,14 @@ class EngineLoop:
     # -- ending requests ----------------------------------------------------------------
 
     def end(self, a, reason: str, event: TokenEvent | None = None, error: str | None = None):
-        """Finishes a request (an Active in a slot, or a queued (handle, params, seed)):
-        frees its slot and sends the last event with the Completion."""
+        """Finishes a request (an Active in a slot, or a queue entry): frees its slot and
+        sends the last event with the Completion."""
         if isinstance(a, slots.Active):
             self.slots.release(a)
             handle, seed, cached = a.handle, a.seed, a.cached
             body = (a.tokens, a.logprobs, a.top_logprobs)
         else:
-            (handle, _, seed), cached, body = a, 0, ([], [], [])
+            (handle, _, seed, _), cached, body = a, 0, ([], [], [])
         if handle.done:
             return
         now, first = time.perf_counter(), handle.first_token_at
@@ -315,12 +321,14 @@ class EngineLoop:
             if kind == "prefill":
                 args = (p, self.cache, np.int32(0), np.zeros_like(positions), positions)
                 out, self.cache = s.prefill(
-                    *args, np.int32(0), settings, np.zeros(1, bool), context=context
-                )
+                    *args, np.int32(0), settings, np.zeros(1, bool), np.zeros(1, np.int32),
+                    context=context,
+                )  # fmt: skip
             else:
                 out, self.cache = s.decode(
-                    *args, positions, settings, np.zeros(n, bool), rows=n, context=context
-                )
+                    *args, positions, settings, np.zeros(n, bool), np.zeros(n, np.int32),
+                    rows=n, context=context,
+                )  # fmt: skip
         if s.pool_blocks:
             dropped = np.full(s.prefill_chunk // s.block, s.pool_blocks, np.int32)
             self.pool = s.save(self.pool, self.cache, np.int32(0), np.int32(0), dropped)

@@ -9,6 +9,10 @@ values of both layer kinds at every position of a cached prompt prefix.
     prefill  one chunk of one slot's prompt; samples a token from its last position
     decode   one token for rows [0, rows) (each its own position, -1: idle); full layers
              attend to their first `context` cache slots only
+
+Both take `adapter_ids` (one per row, like positions): with stacked LoRA adapters
+(inference/adapters.py) each row runs with its own, so one compiled step serves
+requests for different adapters; without, the model ignores them.
     admit    a slot for a new request: every position emptied, then a cached prefix
              copied in from the pool (the full layers' slots and the banded ring)
     save     the blocks of a chunk just prefilled, copied from a slot into the pool
@@ -131,24 +135,40 @@ class EngineSteps:
         return jax.tree.map(put, cache, window)
 
     def _prefill(
-        self, params, cache, slot, tokens, positions, last, settings, want_top, *, context
+        self,
+        params,
+        cache,
+        slot,
+        tokens,
+        positions,
+        last,
+        settings,
+        want_top,
+        adapter_ids,
+        *,
+        context,
     ):
-        """tokens/positions [1, chunk] of the request in `slot` (positions -1: padding);
-        `last`: index in the chunk of the position to sample from (the prompt's last on
-        its final chunk). Returns ((token, logprob, top ids, top logprobs), cache)."""
+        """tokens/positions [1, chunk] of the request in `slot` (positions -1: padding),
+        adapter_ids [1] its adapter; `last`: index in the chunk of the position to sample
+        from (the prompt's last on its final chunk). Returns ((token, logprob, top ids,
+        top logprobs), cache)."""
         model = self.md.bind(params)
         window = self._window(cache, 1, context, slot)
-        hidden, _, window = model(tokens, positions, (positions >= 0).astype(jnp.int32), window)
+        valid = (positions >= 0).astype(jnp.int32)
+        hidden, _, window = model(tokens, positions, valid, window, adapter_ids)
         h = jax.lax.dynamic_index_in_dim(hidden, last, axis=1, keepdims=False)
         return self._pick(model, h, settings, want_top), self._put(cache, window, slot)
 
-    def _decode(self, params, cache, tokens, positions, settings, want_top, *, rows, context):
-        """One token for each of rows [0, rows): tokens/positions [rows] (-1: the row is
-        idle or prefilling and writes nothing)."""
+    def _decode(
+        self, params, cache, tokens, positions, settings, want_top, adapter_ids, *, rows, context
+    ):
+        """One token for each of rows [0, rows): tokens/positions/adapter_ids [rows]
+        (position -1: the row is idle or prefilling and writes nothing)."""
         model = self.md.bind(params)
         window = self._window(cache, rows, context)
         pos = positions[:, None]
-        hidden, _, window = model(tokens[:, None], pos, (pos >= 0).astype(jnp.int32), window)
+        valid = (pos >= 0).astype(jnp.int32)
+        hidden, _, window = model(tokens[:, None], pos, valid, window, adapter_ids)
         return self._pick(model, hidden[:, 0], settings, want_top), self._put(cache, window)
 
     # -- slots and the prefix pool ------------------------------------------------------

@@ -45,7 +45,9 @@ class RequestParams:
     # Generation stops after emitting one of these; it is the last token of the output.
     stop_ids: tuple[int, ...] = ()
     logprobs: int = 0  # top alternatives per generated token (0: the chosen token's only)
-    adapter: str | None = None  # reserved for LoRA adapters: only None for now
+    # The LoRA adapter to generate with, by name (Engine.adapters). None: the base model,
+    # or the one unnamed adapter every request uses (decode's --adapter=DIR).
+    adapter: str | None = None
 
     def check(self, vocab_size: int, max_logprobs: int) -> None:
         """Raises RequestRejected (400) naming the first parameter out of range."""
@@ -69,10 +71,8 @@ class RequestParams:
             bad("stop_ids must be a tuple of integer token ids")
         if not _is_int(self.logprobs) or not 0 <= self.logprobs <= max_logprobs:
             bad(f"logprobs must be an integer in [0, {max_logprobs}]")
-        if self.adapter is not None:
-            raise RequestRejected(
-                f"adapter={self.adapter!r}: this engine serves no adapters (adapter=None)", 400
-            )
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            bad("adapter must be None or an adapter's name")
 
 
 def _is_int(x: Any) -> bool:

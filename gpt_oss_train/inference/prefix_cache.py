@@ -1,12 +1,14 @@
 """Which prompt prefixes the prefix pool holds: block-aligned hashing and LRU eviction.
 
 A prompt is cut into blocks of `block` tokens; block i is named by a hash of its tokens
-and of block i-1's name, so equal names mean equal prefixes. The pool (engine_steps.py)
-keeps the keys and values of every position of each stored block, both layer kinds, so
-a later prompt sharing the first n blocks starts its prefill at n * block. Blocks are
-shared by every prompt with that prefix (a long Harmony system/developer message is
-stored once) and evicted least recently used first; a block's parent is always used
-at least as recently as the block itself, so eviction takes the ends of chains first.
+and of block i-1's name, so equal names mean equal prefixes. The first block's name also
+covers the LoRA adapter the prompt runs with: the same tokens under another adapter have
+other keys and values, so they never share blocks. The pool (engine_steps.py) keeps the
+keys and values of every position of each stored block, both layer kinds, so a later
+prompt sharing the first n blocks starts its prefill at n * block. Blocks are shared by
+every prompt with that prefix (a long Harmony system/developer message is stored once)
+and evicted least recently used first; a block's parent is always used at least as
+recently as the block itself, so eviction takes the ends of chains first.
 
 Host-side bookkeeping only: the engine's thread owns it, no locking.
 """
@@ -20,9 +22,10 @@ from typing import Sequence
 import numpy as np
 
 
-def block_names(tokens: Sequence[int], block: int) -> list[bytes]:
-    """One name per whole block of `tokens`, each covering the prefix up to its end."""
-    names, parent = [], b""
+def block_names(tokens: Sequence[int], block: int, adapter: int = 0) -> list[bytes]:
+    """One name per whole block of `tokens` run with adapter slot `adapter` (0: the base
+    or the one unstacked adapter), each covering the adapter and the prefix up to its end."""
+    names, parent = [], b"" if adapter == 0 else b"adapter %d" % adapter
     ids = np.asarray(tokens, np.int64)
     for start in range(0, len(ids) - block + 1, block):
         parent = hashlib.blake2b(parent + ids[start : start + block].tobytes(), digest_size=16)

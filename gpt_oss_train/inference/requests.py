@@ -292,12 +292,13 @@ def exit_code(records: list[dict]) -> int:
 
 
 def score_fn(model: LoadedModel):
-    """jit(params, inputs, targets, positions, segment_ids) -> log p(target) [b, s]."""
+    """jit(params, inputs, targets, positions, segment_ids, adapter_ids) -> log p(target)
+    [b, s]; adapter_ids [b]: each row's stacked adapter (inference/adapters.py)."""
     md, chunk = model.md, model.config.train.loss_chunk_size
     dtype = DTYPES[model.cfg.dtype]
 
-    def score(params, inputs, targets, positions, segment_ids):
-        hidden, _, _ = md.bind(params)(inputs, positions, segment_ids)
+    def score(params, inputs, targets, positions, segment_ids, adapter_ids):
+        hidden, _, _ = md.bind(params)(inputs, positions, segment_ids, None, adapter_ids)
         logp, _ = loss_lib.token_logprobs(
             hidden, params["unembed"]["kernel"], targets, chunk=chunk, dtype=dtype
         )
@@ -329,9 +330,12 @@ def parse_score_line(raw: bytes, *, vocab_size: int, limit: int) -> tuple[int, .
     return ids
 
 
-def score_batch(model: LoadedModel, fn, seqs: list[tuple[int, ...]], rows: int) -> list:
-    """log p(t[i+1] | t[:i+1]) for each sequence, as float32 numpy arrays of n-1 values.
-    Rows are padded (segment 0) to a power-of-two length, as training pads."""
+def score_batch(
+    model: LoadedModel, fn, seqs: list[tuple[int, ...]], rows: int, adapter: int = 0
+) -> list:
+    """log p(t[i+1] | t[:i+1]) for each sequence (under stacked adapter slot `adapter`),
+    as float32 numpy arrays of n-1 values. Rows are padded (segment 0) to a power-of-two
+    length, as training pads."""
     width = max(16, pow2_at_least(max(len(s) - 1 for s in seqs)))
     arrays = {
         k: np.zeros((rows, width), np.int32)
@@ -351,6 +355,7 @@ def score_batch(model: LoadedModel, fn, seqs: list[tuple[int, ...]], rows: int) 
                 arrays["targets"],
                 arrays["positions"],
                 arrays["segment_ids"],
+                np.full(rows, adapter, np.int32),
             )
         )
     return [logp[i, : len(s) - 1] for i, s in enumerate(seqs)]

@@ -59,6 +59,7 @@ class Active:
     slot: int
     order: int  # admission order: prefill goes first come, first served
     names: list[bytes]  # prefix-cache names of the prompt's whole blocks
+    adapter: int = 0  # the stacked LoRA adapter slot it runs with (0: none; adapters.py)
     cached: int = 0  # prompt positions restored from the prefix cache
     prefilled: int = 0  # prompt positions in the cache so far
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -113,9 +114,11 @@ class SlotTable:
     def free(self) -> int:
         return len(self._free)
 
-    def take(self, handle: RequestHandle, params: RequestParams, seed: int, names) -> Active:
+    def take(
+        self, handle: RequestHandle, params: RequestParams, seed: int, names, adapter: int = 0
+    ) -> Active:
         slot = heapq.heappop(self._free)
-        a = Active(handle, params, seed, slot, next(self._order), names)
+        a = Active(handle, params, seed, slot, next(self._order), names, adapter)
         self.active[slot] = a
         return a
 
@@ -148,7 +151,7 @@ def next_chunk(remaining: int, chunks: list[int]) -> tuple[int, int]:
 
 def prefill_inputs(a: Active, chunks: list[int], contexts: list[int]) -> dict:
     """The next chunk of a's prompt: tokens/positions [1, chunk] (-1 past the prompt),
-    the index of its last real position, and the shape buckets it runs at."""
+    the index of its last real position, its adapter [1], and the shape buckets it runs at."""
     start, prompt = a.prefilled, a.prompt
     chunk, n = next_chunk(len(prompt) - start, chunks)
     tokens = np.zeros((1, chunk), np.int32)
@@ -159,6 +162,7 @@ def prefill_inputs(a: Active, chunks: list[int], contexts: list[int]) -> dict:
         tokens=tokens,
         positions=positions,
         last=np.int32(n - 1),
+        adapter_ids=np.array([a.adapter], np.int32),
         settings=sampling_settings([a.settings()], 1),
         want_top=np.array([a.params.logprobs > 0]),
         context=bucket(start + n, contexts),
@@ -167,22 +171,26 @@ def prefill_inputs(a: Active, chunks: list[int], contexts: list[int]) -> dict:
 
 
 def decode_inputs(rows: list[Active], row_sizes: list[int], contexts: list[int]) -> dict:
-    """tokens/positions [n] of one decode step over slots [0, n) (-1: the slot is idle
-    or prefilling), with n and the context the highest slot and position need."""
+    """tokens/positions/adapter ids [n] of one decode step over slots [0, n) (position
+    -1: the slot is idle or prefilling), with n and the context the highest slot and
+    position need."""
     n = bucket(max(a.slot for a in rows) + 1, row_sizes)
     tokens = np.zeros(n, np.int32)
     positions = np.full(n, -1, np.int32)
     want_top = np.zeros(n, bool)
+    adapter_ids = np.zeros(n, np.int32)
     settings = [(0.0, 0, 1.0, 0, 0)] * n
     for a in rows:
         tokens[a.slot], positions[a.slot] = a.tokens[-1], a.position
         want_top[a.slot] = a.params.logprobs > 0
+        adapter_ids[a.slot] = a.adapter
         settings[a.slot] = a.settings()
     return dict(
         tokens=tokens,
         positions=positions,
         settings=sampling_settings(settings, n),
         want_top=want_top,
+        adapter_ids=adapter_ids,
         rows=n,
         context=bucket(max(a.position for a in rows) + 1, contexts),
     )

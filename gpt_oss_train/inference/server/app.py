@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions   chat_routes.py
     POST /v1/completions        completion_routes.py
-    GET  /v1/models             the one served model
+    GET  /v1/models             the served model, then each LoRA adapter (a request
+                                names one as its "model" to generate with it)
     GET  /health                200 while serving, 503 once shutting down
     GET  /metrics               Prometheus text (metrics.py)
 
@@ -34,7 +35,9 @@ def _count_requests(app: FastAPI, metrics: Metrics) -> None:
 
 def create_app(engine, *, tokenizer, model_name: str, max_context: int, vocab_size: int) -> FastAPI:
     metrics = Metrics(engine.stats)
-    state = ServerState(engine, tokenizer, model_name, max_context, vocab_size, metrics)
+    state = ServerState(
+        engine, tokenizer, model_name, max_context, vocab_size, metrics, adapters=engine.adapters
+    )
     app = FastAPI(title="gpt_oss_train", docs_url=None, redoc_url=None)
     app.state.server = state
     app.state.shutting_down = False
@@ -45,14 +48,18 @@ def create_app(engine, *, tokenizer, model_name: str, max_context: int, vocab_si
 
     @app.get("/v1/models")
     async def models():
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "gpt_oss_train",
-            "max_model_len": max_context,
-        }
-        return {"object": "list", "data": [card]}
+        def card(name: str, parent: str | None) -> dict:
+            return {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "gpt_oss_train",
+                "max_model_len": max_context,
+                "parent": parent,
+            }
+
+        cards = [card(model_name, None)] + [card(a, model_name) for a in state.adapters]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():

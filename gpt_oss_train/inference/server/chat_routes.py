@@ -96,7 +96,7 @@ def _response(state, req, rid, prompt, choices) -> dict:
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": req.model,
         "choices": [
             {
                 "index": i,
@@ -122,7 +122,7 @@ async def _stream(state, req, rid, prompt, handles, request_start):
         c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(
             {"id": rid, "object": "chat.completion.chunk", "created": created,
-             "model": state.model_name, "choices": [c]}
+             "model": req.model, "choices": [c]}
         )  # fmt: skip
 
     for i in range(len(handles)):
@@ -142,12 +142,12 @@ async def _stream(state, req, rid, prompt, handles, request_start):
         n_out = sum(len(c.tokens) for c in choices)
         yield sse(
             {"id": rid, "object": "chat.completion.chunk", "created": created,
-             "model": state.model_name, "choices": [], "usage": usage(len(prompt), n_out)}
+             "model": req.model, "choices": [], "usage": usage(len(prompt), n_out)}
         )  # fmt: skip
     yield SSE_DONE
 
 
-def _params(state, req, n_prompt):
+def _params(state, req, n_prompt, adapter):
     from gpt_oss_train.inference.engine import RequestParams
 
     max_tokens = generation.check_length(state, n_prompt, req.token_limit(), "max_tokens")
@@ -160,6 +160,7 @@ def _params(state, req, n_prompt):
             seed=seed,
             stop_ids=CHAT_STOP_IDS,
             logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            adapter=adapter,
         )
         for seed in generation.choice_seeds(req.seed, req.n)
     ]
@@ -169,9 +170,9 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         start = time.perf_counter()
-        generation.check_model(state, req.model)
+        adapter = generation.check_model(state, req.model)
         prompt = chat_format.prompt_ids(req, state.tokenizer)
-        handles = generation.submit(state, prompt, _params(state, req, len(prompt)))
+        handles = generation.submit(state, prompt, _params(state, req, len(prompt), adapter))
         rid = generation.request_id("chatcmpl")
         if req.stream:
             return generation.EngineStream(

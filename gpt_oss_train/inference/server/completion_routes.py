@@ -94,14 +94,16 @@ class _Choice:
         return new
 
 
-def _score(state, prompt: list[int], k: int):
-    """(log p of each prompt token after the first, the k most likely at each position)."""
+def _score(state, prompt: list[int], k: int, adapter: str | None):
+    """(log p of each prompt token after the first, the k most likely at each position),
+    under the request's adapter."""
     if len(prompt) < 2:
         return [], []
-    logprobs = state.engine.score(prompt)
+    engine = state.engine
+    logprobs = engine.score(prompt, adapter)
     if not k:
         return logprobs, [[] for _ in logprobs]
-    tops = prompt_logprobs.top_logprobs(state.engine.model, prompt, k)
+    tops = prompt_logprobs.top_logprobs(engine.model, prompt, k, engine.adapter_slot(adapter))
     # The prompt token among the alternatives carries the very number token_logprobs
     # reports (the two forward passes may differ in the last bit), so "is it the most
     # likely token?" compares equal numbers.
@@ -111,13 +113,13 @@ def _score(state, prompt: list[int], k: int):
     ]
 
 
-async def _prompt_scores(state, req, prompts) -> list:
+async def _prompt_scores(state, req, prompts, adapter) -> list:
     if not (req.echo and req.logprobs is not None):
         return [None] * len(prompts)
-    return [await asyncio.to_thread(_score, state, p, req.logprobs) for p in prompts]
+    return [await asyncio.to_thread(_score, state, p, req.logprobs, adapter) for p in prompts]
 
 
-def _params(state, req, prompts):
+def _params(state, req, prompts, adapter):
     from gpt_oss_train.inference.engine import RequestParams
     from gpt_oss_train.inference.loading import TEXT_STOP_IDS
 
@@ -134,6 +136,7 @@ def _params(state, req, prompts):
                     seed=seed,
                     stop_ids=TEXT_STOP_IDS,
                     logprobs=req.logprobs or 0,
+                    adapter=adapter,
                 )
             )
     return out
@@ -178,7 +181,7 @@ async def _stream(state, req, rid, handles, choices, echoes, start):
              "token_ids": list(token_ids)}  # fmt: skip
         return sse(
             {"id": rid, "object": "text_completion", "created": created,
-             "model": state.model_name, "choices": [c]}
+             "model": req.model, "choices": [c]}
         )  # fmt: skip
 
     sent = [0] * len(choices)  # tokens already sent, per choice
@@ -203,7 +206,7 @@ async def _stream(state, req, rid, handles, choices, echoes, start):
         n_in, n_out = sum(len(c.prompt) for c in choices), sum(len(c.tokens) for c in choices)
         yield sse(
             {"id": rid, "object": "text_completion", "created": created,
-             "model": state.model_name, "choices": [], "usage": usage(n_in, n_out)}
+             "model": req.model, "choices": [], "usage": usage(n_in, n_out)}
         )  # fmt: skip
     yield SSE_DONE
 
@@ -212,10 +215,10 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         start = time.perf_counter()
-        generation.check_model(state, req.model)
+        adapter = generation.check_model(state, req.model)
         prompts = [_prompt_ids(state, p, i) for i, p in enumerate(req.prompts())]
-        params = _params(state, req, prompts) if req.max_tokens else []
-        scores = await _prompt_scores(state, req, prompts)
+        params = _params(state, req, prompts, adapter) if req.max_tokens else []
+        scores = await _prompt_scores(state, req, prompts, adapter)
         choices = [_Choice(req, p) for p in prompts for _ in range(req.n)]
         echoes = [c.echo(scores[k // req.n]) if req.echo else "" for k, c in enumerate(choices)]
         handles = _submit_all(state, prompts, params, req.n) if params else []
@@ -233,7 +236,7 @@ def register(app: FastAPI, state: ServerState) -> None:
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": state.model_name,
+            "model": req.model,
             "choices": [
                 _choice_dict(i, c, echoes[i], req.return_token_ids) for i, c in enumerate(choices)
             ],

@@ -33,6 +33,13 @@ class ServerState:
     vocab_size: int
     metrics: Metrics
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # LoRA adapters a request selects by naming one as its "model" (Engine.adapters)
+    adapters: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """What "model" may be: the served model, then each adapter."""
+        return (self.model_name, *self.adapters)
 
 
 def has_token(ev) -> bool:
@@ -44,14 +51,21 @@ def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
-        raise APIError(
-            404,
-            f"The model '{name}' does not exist; this server serves '{state.model_name}'.",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(state: ServerState, name: str) -> str | None:
+    """The adapter a request's "model" selects (RequestParams.adapter): None for the
+    served model (the base, or the one adapter every request uses), else the adapter of
+    that name. 404 for a name this server does not serve."""
+    if name == state.model_name:
+        return None
+    if name in state.adapters:
+        return name
+    served = ", ".join(f"'{n}'" for n in state.model_names)
+    raise APIError(
+        404,
+        f"The model '{name}' does not exist; this server serves {served}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, param: str) -> int:

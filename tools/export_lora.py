@@ -100,11 +100,11 @@ def _recorded_base(adapter: str) -> dict:
 def _architecture(base: str, adapter: str) -> dict:
     """The base's architecture; for a random base, the one the adapter workdir stores."""
     from gpt_oss_train import errors
-    from gpt_oss_train.inference import engine
+    from gpt_oss_train.inference import loading
     from gpt_oss_train.training import checkpoint as ckpt_lib
 
     if base:
-        return engine.read_architecture(base, engine.checkpoint_kind(base))
+        return loading.read_architecture(base, loading.checkpoint_kind(base))
     if ckpt_lib.is_orbax_checkpoint(adapter):
         return ckpt_lib.read_model_config(adapter)
     raise errors.UserError(f"--adapter={adapter} is a PEFT folder: pass its base as --checkpoint")

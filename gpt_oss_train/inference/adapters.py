@@ -139,7 +139,7 @@ def _pad_rank(decl, x: np.ndarray, rank: int, scale: float) -> np.ndarray:
 
 
 def attach(model, named: Sequence[tuple[str, str]]):
-    """Adds adapters [(name, folder)] to a LoadedModel (engine.py) beside its base. One
+    """Adds adapters [(name, folder)] to a LoadedModel (loading.py) beside its base. One
     unnamed adapter is added as trained (every request uses it); otherwise they are
     stacked and `model.adapters` lists their names (slot = index + 1)."""
     arch = {k: getattr(model.cfg, k) for k in architecture.FIELDS}

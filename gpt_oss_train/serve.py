@@ -18,6 +18,7 @@ request uses that adapter. --adapter=NAME=DIR,...: a request picks one by sendin
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from absl import app, flags, logging
@@ -107,6 +108,14 @@ def serve(app_, host: str, port: int, grace_s: float, access_log: bool = False) 
         def handle_exit(self, sig, frame):
             app_.state.shutting_down = True  # /health says so while requests finish
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a caught SIGTERM after its graceful shutdown, which ends
+            # the process with status 143; here SIGTERM is the normal way to stop: exit 0.
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
 
     config = uvicorn.Config(
         app_,

@@ -153,8 +153,9 @@ def test_full_queue_answers_429_with_retry_after(server):
     assert refused and len(served) >= MAX_SLOTS and len(refused) + len(served) == n
     for status, headers, body in refused:
         assert int(headers["retry-after"]) >= 1 and body["error"]["message"]
-    for _, _, body in served:
-        assert len(body["choices"][0]["token_ids"]) == 60
+    for _, _, body in served:  # which prompts got served depends on timing: some stop early
+        choice = body["choices"][0]
+        assert len(choice["token_ids"]) == 60 or choice["finish_reason"] == "stop", choice
     assert _completion(port, [1, 2, 3], 2)[0] == 200
 
 

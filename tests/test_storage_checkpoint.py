@@ -261,8 +261,10 @@ def _launch_two(workdir: str) -> subprocess.CompletedProcess:
 
 
 def _job_lines(out: str) -> dict[int, str]:
-    """The last line each process ([0] ..., [1] ...) printed."""
-    return {int(line[1]): line[4:] for line in out.splitlines() if line[:1] == "["}
+    """The last result line ({...} or "refused: ...") each process ([0] ..., [1] ...)
+    printed; libraries (Gloo) may print after it."""
+    results = [line for line in out.splitlines() if line[:1] == "["]
+    return {int(line[1]): line[4:] for line in results if line[4:5] == "{" or "refused:" in line}
 
 
 def test_two_process_job_checkpoints_to_bucket_and_refuses_a_locked_workdir(gcs_dir):

@@ -31,7 +31,9 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dic
         chunk = json.loads(line[6:])
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
-        if any(c.get("text") for c in chunk.get("choices", [])):
+        # a token whose text is empty so far (part of a character) still counts; our
+        # server sends its ids, other servers their text
+        if any(c.get("text") or c.get("token_ids") for c in chunk.get("choices", [])):
             times.append(time.perf_counter())
     conn.close()
     return {"start": start, "times": times, "tokens": tokens or len(times)}

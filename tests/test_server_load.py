@@ -195,7 +195,10 @@ def test_sigterm_finishes_running_requests_then_exits_0(server):
         t.join(300)
     assert proc.wait(300) == 0
     assert sorted(results) == list(range(MAX_SLOTS))
-    for status, _, body in results.values():
-        assert status == 200 and len(body["choices"][0]["token_ids"]) == 40
+    for status, _, body in results.values():  # finished, to its length or a stop id
+        choice = body["choices"][0]
+        assert status == 200 and (
+            len(choice["token_ids"]) == 40 or choice["finish_reason"] == "stop"
+        )
     with pytest.raises(ConnectionError):
         _completion(port, [1, 2], 1)

@@ -315,14 +315,8 @@ def _benchmark(load, f, opts) -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logs.quiet_library_logs()
     runtime.setup_compilation_cache()
-    try:
-        return _run(flags.FLAGS)
-    except errors.UserError as e:
-        return errors.report(e)
+    return errors.run_command(lambda: _run(flags.FLAGS), argv)
 
 
 if __name__ == "__main__":

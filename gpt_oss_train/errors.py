@@ -82,3 +82,19 @@ def json_error(e: json.JSONDecodeError) -> str:
     ('Invalid control character at'), which would read 'at at column'."""
     msg = e.msg[: -len(" at")] if e.msg.endswith(" at") else e.msg
     return f"not valid JSON ({msg} at column {e.colno})"
+
+
+def run_command(body, argv: list[str]) -> int:
+    """The body of a CLI's main(argv): no stray arguments, third-party logs quieted, and a
+    UserError reported as one line (its exit status returned)."""
+    from absl import app
+
+    from gpt_oss_train import logs
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logs.quiet_library_logs()
+    try:
+        return body()
+    except UserError as e:
+        return report(e)

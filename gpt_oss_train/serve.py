@@ -23,7 +23,7 @@ import os
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, logs
+from gpt_oss_train import errors
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.loading import DecodeError
 
@@ -170,13 +170,7 @@ def _run(f) -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logs.quiet_library_logs()
-    try:
-        return _run(flags.FLAGS)
-    except errors.UserError as e:
-        return errors.report(e)
+    return errors.run_command(lambda: _run(flags.FLAGS), argv)
 
 
 if __name__ == "__main__":

@@ -148,22 +148,9 @@ async def _stream(state, req, rid, prompt, handles, request_start):
 
 
 def _params(state, req, n_prompt, adapter):
-    from gpt_oss_train.inference.engine import RequestParams
-
     max_tokens = generation.check_length(state, n_prompt, req.token_limit(), "max_tokens")
-    return [
-        RequestParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            seed=seed,
-            stop_ids=CHAT_STOP_IDS,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-            adapter=adapter,
-        )
-        for seed in generation.choice_seeds(req.seed, req.n)
-    ]
+    logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+    return generation.choice_params(req, max_tokens, CHAT_STOP_IDS, logprobs, adapter)
 
 
 def register(app: FastAPI, state: ServerState) -> None:

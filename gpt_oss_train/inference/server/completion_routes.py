@@ -120,25 +120,12 @@ async def _prompt_scores(state, req, prompts, adapter) -> list:
 
 
 def _params(state, req, prompts, adapter):
-    from gpt_oss_train.inference.engine import RequestParams
     from gpt_oss_train.inference.loading import TEXT_STOP_IDS
 
     out = []
     for p in prompts:
         max_tokens = generation.check_length(state, len(p), req.max_tokens, "max_tokens")
-        for seed in generation.choice_seeds(req.seed, req.n):
-            out.append(
-                RequestParams(
-                    max_tokens=max_tokens,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=max(0, req.top_k or 0),
-                    seed=seed,
-                    stop_ids=TEXT_STOP_IDS,
-                    logprobs=req.logprobs or 0,
-                    adapter=adapter,
-                )
-            )
+        out += generation.choice_params(req, max_tokens, TEXT_STOP_IDS, req.logprobs or 0, adapter)
     return out
 
 

@@ -89,6 +89,26 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     return [None if seed is None else (seed + i) % 2**32 for i in range(n)]
 
 
+def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter) -> list:
+    """RequestParams for each of a request's `n` choices (its own seed each), with the
+    sampling fields chat and text completions share."""
+    from gpt_oss_train.inference.engine import RequestParams
+
+    return [
+        RequestParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            seed=seed,
+            stop_ids=stop_ids,
+            logprobs=logprobs,
+            adapter=adapter,
+        )
+        for seed in choice_seeds(req.seed, req.n)
+    ]
+
+
 def submit(state: ServerState, prompt: list[int], params: list) -> list:
     """One engine request per choice; all or none (a refusal cancels the ones made)."""
     from gpt_oss_train.inference.engine import RequestRejected

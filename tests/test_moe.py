@@ -12,7 +12,7 @@ from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
 from gpt_oss_train.model import grouped_matmul as gm
 from gpt_oss_train.model import moe as moe_lib
-from gpt_oss_train.model import quantize
+from gpt_oss_train.model import quantize, streamed_experts
 
 GLU = dict(limit=7.0, alpha=1.702)
 
@@ -112,6 +112,39 @@ def test_gathered_path_for_decode_sized_batches_matches_reference():
     for impl in (moe_lib.gathered_ffn, moe_lib.ragged_experts):
         got_q = impl(f32(x), weights, idx, qw, limit=7.0, alpha=1.702, dtype=jnp.float32)
         assert 0 < np.abs(got_q - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_streamed_expert_weights_match_reference_on_every_path():
+    """Inference's layer views (model/streamed_experts.py): the layer's experts read from
+    a [layers, E, ...] stack give the reference's outputs on the pairwise (decode), tiled
+    (prefill) and whole-layer (dense) paths, for float and int8 stacks."""
+    x, kernel, bias, w = _moe_inputs(t=4, e=8)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
+    layer = 1  # stack the layer between two others of different values
+    stack = lambda a: jnp.stack([f32(a) * 3.0, f32(a), f32(a) - 1.0])
+    layer_idx = jnp.asarray(layer, jnp.int32)
+    view = lambda a: streamed_experts.LayerView(a, layer_idx)
+    ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
+    streamed = ew._replace(**{n: view(stack(w[n])) for n in streamed_experts.STREAMED})
+    ref = numpy_moe(x, kernel, bias, w, k=2)
+    assert moe_lib.use_pairwise(4, 2, streamed) and not moe_lib.use_pairwise(4, 2, ew)
+    assert not moe_lib.use_pairwise(moe_lib.PAIRWISE_MAX_PAIRS, 2, streamed)
+    for impl in (moe_lib.pairwise_ffn, moe_lib.grouped_experts, moe_lib.dense_experts):
+        got = jax.jit(lambda ws: impl(f32(x), weights, idx, ws, dtype=jnp.float32, **GLU))(
+            streamed
+        )
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    q = lambda a: quantize.quantize_int8(stack(a), (2,))
+    qs = ew._replace(wi_gate=view(q(w["wi_gate"])), wo=view(q(w["wo"])))
+    by_layer = ew._replace(
+        wi_gate=quantize.quantize_int8(f32(w["wi_gate"]), (1,)),
+        wo=quantize.quantize_int8(f32(w["wo"]), (1,)),
+    )
+    want = moe_lib.gathered_ffn(f32(x), weights, idx, by_layer, dtype=jnp.float32, **GLU)
+    got = moe_lib.pairwise_ffn(f32(x), weights, idx, qs, dtype=jnp.float32, **GLU)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    assert 0 < np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
 
 # ----------------------------------------------------------------------------- grouped matmul

@@ -60,9 +60,9 @@ _INT8 = flags.DEFINE_bool("int8_weights", False, "Decode with int8 weight-only w
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir",
     "",
-    "Decode: after timing, trace one more generate call per batch size with the JAX "
-    "profiler into this folder and print where the device time went (kernels by total "
-    "time, launches per decode step).",
+    "After timing, trace one more training step (train) or generate call per batch size "
+    "(decode) with the JAX profiler into this folder and print where the device time "
+    "went (kernels, or XLA:CPU ops, by total time; launches per step).",
 )
 _COMPARE_HF = flags.DEFINE_bool(
     "compare_hf",
@@ -154,6 +154,8 @@ def bench_train(config):
             state, out = setup.train_step(state, batch)
         jax.block_until_ready(out)
         dt = (time.perf_counter() - t0) / _STEPS.value
+        if _PROFILE_DIR.value:
+            _profile_train_step(setup, state, batch)
     kind = jax.devices()[0].device_kind
     perf = flops.throughput_metrics(
         step_time_s=dt,
@@ -188,6 +190,18 @@ def bench_train(config):
             **{k.split("/")[-1]: v for k, v in perf.items()},
         }
     )
+
+
+def _profile_train_step(setup, state, batch):
+    """One more (compiled) training step under the JAX profiler; prints where it went."""
+    import jax
+
+    from gpt_oss_train.inference import benchmarking
+
+    out_dir = os.path.join(_PROFILE_DIR.value, "train")
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        jax.block_until_ready(setup.train_step(state, batch))
+    _emit({"mode": "profile", **benchmarking.summarize_trace(out_dir, 1, top=25)})
 
 
 def active_weight_bytes(mc, bytes_per_weight: float) -> float:

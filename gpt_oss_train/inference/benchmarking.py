@@ -177,10 +177,65 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table)
 
 
+def _device_events(events) -> list[dict]:
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device_pids = {pid for pid, name in names.items() if name.startswith("/device:")}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+
+
+def _cpu_op_events(events) -> list[dict]:
+    """XLA:CPU's ops: events of its Eigen worker threads, without the executor's own
+    spans (which contain the ops)."""
+    threads = {
+        (e["pid"], e.get("tid"))
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "thread_name"
+        and "XLAEigen" in e.get("args", {}).get("name", "")
+    }
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and (e.get("pid"), e.get("tid")) in threads
+        and not e["name"].startswith(("ThunkExecutor", "SlinkyThreadPool", "end: "))
+    ]
+
+
+def _self_times(events) -> list[float]:
+    """Each event's duration less that of the events nested directly in it on its
+    thread (a CPU `while` op's span contains its body's ops)."""
+    own = [float(e.get("dur", 0.0)) for e in events]
+    by_thread = collections.defaultdict(list)
+    for i, e in enumerate(events):
+        by_thread[(e.get("pid"), e.get("tid"))].append(i)
+    for idx in by_thread.values():
+        idx.sort(key=lambda i: (events[i]["ts"], -own[i]))
+        open_spans = []  # indices of the events enclosing the current one
+        for i in idx:
+            start = events[i]["ts"]
+            while open_spans and _end(events[open_spans[-1]]) <= start:
+                open_spans.pop()
+            if open_spans:
+                own[open_spans[-1]] -= float(events[i].get("dur", 0.0))
+            open_spans.append(i)
+    return own
+
+
+def _end(e) -> float:
+    return e["ts"] + e.get("dur", 0.0)
+
+
 def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
     """Device time by kernel from the Perfetto trace `jax.profiler.trace` wrote: total
-    busy time, kernel launches per decode step, and the `top` kernels by total time.
-    Device events are those of processes named /device:... (GPU streams, TPU cores)."""
+    busy time, kernel launches per step, and the `top` kernels by total time. Device
+    events are those of processes named /device:... (GPU streams, TPU cores); a CPU run
+    has none, and its XLA ops (thunks on the XLA:CPU worker threads) stand in for them,
+    summed over the threads (busy time can exceed the span)."""
     paths = sorted(
         glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     )
@@ -188,19 +243,13 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
         return {"trace": trace_dir, "error": "no perfetto_trace.json.gz written"}
     with gzip.open(paths[-1]) as f:
         events = json.load(f)["traceEvents"]
-    names = {
-        e["pid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
-    device_pids = {pid for pid, name in names.items() if name.startswith("/device:")}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    kernels = _device_events(events) or _cpu_op_events(events)
     if not kernels:
-        return {"trace": paths[-1], "error": "no device events (a CPU run?)"}
+        return {"trace": paths[-1], "error": "no device or XLA:CPU op events"}
     total = collections.Counter()
     count = collections.Counter()
-    for e in kernels:
-        total[e["name"]] += e.get("dur", 0.0)
+    for e, own in zip(kernels, _self_times(kernels)):
+        total[e["name"]] += own
         count[e["name"]] += 1
     span = max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)
     busy = sum(total.values())

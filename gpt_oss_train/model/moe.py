@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model import streamed_experts
 from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
 
@@ -215,6 +216,44 @@ def gathered_ffn(
     return jnp.einsum("tk,tkd->td", weights_tk, y.reshape(t, k, -1))
 
 
+# Up to this many (token, choice) pairs, streamed weights (CPU inference) take the pairs
+# one at a time (`pairwise_ffn`); past it the tiled grouped matmul, which reads each
+# chosen expert once, wins (tools/benchmark.py --mode=decode, docs/PERFORMANCE.md).
+PAIRWISE_MAX_PAIRS = 16
+
+
+def pairwise_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """Decode on a CPU: a loop over the (token, choice) pairs, each multiplying its token
+    by its expert's three matrices read as slices of the weights. At 1-4 tokens this
+    reads the chosen experts at close to memory bandwidth, where a gather first copies
+    them all and a grouped matmul adds a tile loop per expert. Needs streamed weights
+    (model/streamed_experts.py): from a layer's sliced weights XLA would copy the whole
+    layer before the loop. No LoRA (`gathered_ffn` has it)."""
+    f32 = jnp.float32
+    t, k = idx_tk.shape
+    x = x_td.astype(dtype)
+    flat = idx_tk.reshape(-1)
+    dot = lambda a, m: jnp.dot(a, m.astype(dtype), preferred_element_type=f32)
+
+    def pair(p, out):
+        token, e = p // k, flat[p]
+        row = jax.lax.dynamic_slice_in_dim(x, token, 1)  # [1, D]
+        gate = dot(row, w.wi_gate[e]) + w.bi_gate[e].astype(f32)
+        up = dot(row, w.wi_up[e]) + w.bi_up[e].astype(f32)
+        y = dot(_glu(gate, up, limit, alpha).astype(dtype), w.wo[e]) + w.bo[e].astype(f32)
+        return out.at[token].add(weights_tk[token, p % k] * y[0])
+
+    return jax.lax.fori_loop(0, t * k, pair, jnp.zeros((t, x.shape[1]), f32))
+
+
+def use_pairwise(tokens: int, k: int, w: ExpertWeights) -> bool:
+    return (
+        isinstance(w.wi_gate, streamed_experts.LayerView)
+        and w.lora is None
+        and tokens * k <= PAIRWISE_MAX_PAIRS
+    )
+
+
 def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
     """Whether a batch is decode-sized enough for `gathered_ffn`: on accelerators, while
     tokens x k <= experts / 4. Gathering copies each chosen expert, so it only pays while
@@ -264,10 +303,16 @@ def grouped_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
 
 
 def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
-    """Dropless MoE at the cost of the experts used: `grouped_experts`, or `gathered_ffn`
-    for decode-sized batches (`use_gathered`)."""
+    """Dropless MoE at the cost of the experts used: `grouped_experts`, or for
+    decode-sized batches `pairwise_ffn` (streamed weights) or `gathered_ffn`
+    (`use_gathered`)."""
     t, k = idx_tk.shape
-    impl = gathered_ffn if use_gathered(t, k, w.wi_gate.shape[0]) else grouped_experts
+    if use_pairwise(t, k, w):
+        impl = pairwise_ffn
+    elif use_gathered(t, k, w.wi_gate.shape[0]):
+        impl = gathered_ffn
+    else:
+        impl = grouped_experts
     return impl(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
 
 
@@ -298,6 +343,7 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
     if ctx is None:
         return ragged_experts(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
     mesh, rules = ctx
+    w = w._replace(**{n: streamed_experts.whole(getattr(w, n)) for n in streamed_experts.STREAMED})
     spec = lambda *names: sharding.logical_to_spec(names, rules)
     # Decode batches may not divide the batch shards: keep only the axes that divide.
     tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)

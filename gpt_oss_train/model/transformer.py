@@ -25,7 +25,7 @@ from flax import nnx
 from gpt_oss_train import sharding
 from gpt_oss_train.config import ModelConfig
 from gpt_oss_train.model import attention as attn_lib
-from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat
+from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_experts
 from gpt_oss_train.model import moe as moe_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -349,9 +349,14 @@ class Transformer(nnx.Module):
         rope = rope_tables(cfg, positions)
 
         graphdef, block_params = nnx.split(self.blocks)
+        stacks = None
+        if streamed_experts.applies(cache, cfg.num_blocks):
+            block_params, stacks = streamed_experts.take(block_params, cfg.num_blocks)
 
         def body(x, xs):
             params, layer_cache = xs
+            if stacks is not None:
+                params = streamed_experts.put(params, stacks)
             block = nnx.merge(graphdef, params)
             x, aux, new_cache = block(
                 x, rope, positions, segment_ids, valid, layer_cache, adapter_ids

@@ -1,0 +1,113 @@
+"""Inference reads the expert weights it uses straight from their layer-stacked arrays.
+
+The layer loop (`jax.lax.scan` over blocks) hands each block its slice of every stacked
+parameter. For the expert weights that slice is all E experts of the layer, and where a
+loop consumes it (the tiled grouped matmul, one expert per step) XLA first copies the
+whole slice: 226 MB per layer at the CPU benchmark's shape, to use 4 experts (28 MB) at
+batch 1. The copies were ~80% of a batch-1 decode step (docs/PERFORMANCE.md).
+
+So in inference the expert matrices stay out of the scanned state: each block gets a
+`LayerView` (the stacked array and its layer index) in their place, and indexing a view
+by expert reads that expert from the stack, `stack[layer, e]`, never the whole layer.
+Training keeps the plain slices: a view's gradient would be a stack-sized accumulator in
+the backward scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt_oss_train import sharding
+
+# The expert matrices (E x D x F each); their biases are small and stay in the scan.
+STREAMED = ("wi_gate", "wi_up", "wo")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerView:
+    """Layer `layer` of a layer-stacked weight (an array, an int8 QArray or an MXFP4Array),
+    read lazily: `view[i]` is `stack[layer, i]`; `astype` materializes the whole layer
+    (for kernels that need it, such as `lax.ragged_dot`)."""
+
+    stack: Any  # [layers, E, ...]
+    layer: jax.Array  # int32 scalar
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, index):
+        if index is Ellipsis:
+            return self
+        return self.stack[(self.layer, index)]
+
+    def astype(self, dtype):
+        return self.stack[self.layer].astype(dtype)
+
+
+def whole(w):
+    """A view's whole layer (kernels that take a layer's weights as one operand); any
+    other weight as it is."""
+    return w.stack[w.layer] if isinstance(w, LayerView) else w
+
+
+def applies(cache, num_blocks: int) -> bool:
+    """Stream in inference (a KV cache is given) on a CPU with one device. Other
+    platforms keep the measured layer slices (GPU decode was profiled with them; TPU's
+    ragged dot reads the whole layer anyway), and a mesh could shard the experts, where
+    indexing a stack by a traced expert would gather it."""
+    if cache is None or num_blocks < 1 or sharding.platform() != "cpu":
+        return False
+    ctx = sharding.active()
+    return ctx is None or ctx[0].size == 1
+
+
+def _is_streamed(path) -> bool:
+    names = [getattr(k, "key", k) for k in path]
+    return len(names) >= 2 and names[-2] == "moe" and names[-1] in STREAMED
+
+
+def _map_streamed(fn, state):
+    """`state` with each streamed parameter's value v replaced by fn(path, v)."""
+
+    def one(path, var):
+        if not _is_streamed(path):
+            return var
+        return var.replace(value=fn(path, var[...]))
+
+    return jax.tree_util.tree_map_with_path(
+        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def take(block_params, num_blocks: int):
+    """Split the stacked expert matrices off the scanned block state. Returns (the state
+    with each of them replaced by its layer indices [num_blocks], {path: stack})."""
+    stacks = {}
+
+    def keep(path, stack):
+        stacks[jax.tree_util.keystr(path)] = stack
+        return jnp.arange(num_blocks, dtype=jnp.int32)
+
+    return _map_streamed(keep, block_params), stacks
+
+
+def put(layer_params, stacks):
+    """Inside the scan: each streamed parameter (now its layer index) becomes a view."""
+    return _map_streamed(
+        lambda path, layer: LayerView(stacks[jax.tree_util.keystr(path)], layer), layer_params
+    )

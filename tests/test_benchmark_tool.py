@@ -65,3 +65,34 @@ def test_trace_summary_adds_device_kernel_time(tmp_path):
     assert abs(s["device_span_ms"] - 0.89) < 1e-9  # from 10 us to 900 us
     assert [(t["name"], t["count"]) for t in s["top"]] == [("gemm", 2), ("reduce", 1)]
     assert abs(s["top"][0]["share"] - 600 / 700) < 1e-9
+
+
+def test_trace_summary_of_a_cpu_run_counts_each_op_once(tmp_path):
+    """A CPU trace has no device processes: XLA:CPU's ops on its worker threads stand in,
+    the executor's own spans are left out, and a `while` op is charged only the time its
+    body's ops (nested in its span on the same thread) did not take."""
+    import gzip
+
+    from gpt_oss_train.inference.benchmarking import summarize_trace
+
+    worker = {"name": "tf_XLAEigen/123"}
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": worker},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "python"}},
+        {"ph": "X", "pid": 1, "tid": 8, "ts": 0.0, "dur": 5000.0, "name": "PjitFunction(step)"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 0.0, "dur": 2000.0, "name": "ThunkExecutor::Execute"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 100.0, "dur": 1000.0, "name": "while.3"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 150.0, "dur": 400.0, "name": "dot.1"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 600.0, "dur": 300.0, "name": "dot.1"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 1200.0, "dur": 200.0, "name": "fusion.2"},
+    ]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize_trace(str(tmp_path), steps=1)
+    got = {t["name"]: (round(t["ms"], 6), t["count"]) for t in s["top"]}
+    assert got == {"dot.1": (0.7, 2), "while.3": (0.3, 1), "fusion.2": (0.2, 1)}
+    assert abs(s["device_busy_ms"] - 1.2) < 1e-9  # the while's 1 ms span less its 0.7 ms body
+    assert abs(s["device_span_ms"] - 1.3) < 1e-9  # 100 us to 1400 us

@@ -131,9 +131,7 @@ def test_streamed_expert_weights_match_reference_on_every_path():
     assert moe_lib.use_pairwise(4, 2, streamed) and not moe_lib.use_pairwise(4, 2, ew)
     assert not moe_lib.use_pairwise(moe_lib.PAIRWISE_MAX_PAIRS, 2, streamed)
     for impl in (moe_lib.pairwise_ffn, moe_lib.grouped_experts, moe_lib.dense_experts):
-        got = jax.jit(lambda ws: impl(f32(x), weights, idx, ws, dtype=jnp.float32, **GLU))(
-            streamed
-        )
+        got = jax.jit(lambda ws: impl(f32(x), weights, idx, ws, dtype=jnp.float32, **GLU))(streamed)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     q = lambda a: quantize.quantize_int8(stack(a), (2,))
     qs = ew._replace(wi_gate=view(q(w["wi_gate"])), wo=view(q(w["wo"])))

@@ -5,7 +5,7 @@ forward + backward, against the floor: one dense matmul of the same rows.
   python tools/moe_benchmark.py --rows=8192 --hidden=768 --expert_hidden=768 \
       --experts=8,32,128 --tiles=128:128,64:16
 
-  # decode-sized batches: the gathered path against the grouped one, per token count
+  # decode-sized batches: gathered, grouped and pairwise paths, per token count
   python tools/moe_benchmark.py --mode=decode --experts=32 --tokens=1,2,4,8,16
 
 Rows are (token, choice) pairs of random top-k routings (tokens = rows / k), sorted by
@@ -163,29 +163,31 @@ def bench_layer(experts: int) -> list[dict]:
 
 
 def bench_decode(experts: int) -> list[dict]:
-    """Forward of one MoE layer at decode sizes: gathered weights vs grouped matmul."""
+    """Forward of one MoE layer at decode sizes, its expert matrices read from a stack of
+    two layers as inference streams them (model/streamed_experts.py): gathered weights,
+    grouped matmul, and pairs one at a time."""
     import jax
 
-    from gpt_oss_train.model import moe
+    from gpt_oss_train.model import moe, streamed_experts
 
     d, f = _HIDDEN.value, _EXPERT_HIDDEN.value
     w = expert_weights(experts, d, f)
+    layer = jax.numpy.int32(1)
+    view = lambda a: streamed_experts.LayerView(jax.numpy.stack([a, a]), layer)
+    w = w._replace(**{n: view(getattr(w, n)) for n in streamed_experts.STREAMED})
     common = dict(limit=7.0, alpha=1.702, dtype=jax.numpy.float32)
+    paths = {"gathered": moe.gathered_ffn, "grouped": moe.grouped_experts,
+             "pairwise": moe.pairwise_ffn}  # fmt: skip
     out = []
     for t in (int(v) for v in _TOKENS.value):
         weights, idx = routing(t, experts)
         x = jax.random.normal(jax.random.key(3), (t, d))
-        gathered = jax.jit(lambda x, w: moe.gathered_ffn(x, weights, idx, w, **common))
-        grouped = jax.jit(lambda x, w: moe.grouped_experts(x, weights, idx, w, **common))
-        best = best_times({"gathered": (gathered, (x, w)), "grouped": (grouped, (x, w))})
-        out.append(
-            dict(
-                experts=experts,
-                tokens=t,
-                gathered_ms=best["gathered"] * 1e3,
-                grouped_ms=best["grouped"] * 1e3,
-            )
-        )
+        calls = {
+            name: (jax.jit(lambda x, w, fn=fn: fn(x, weights, idx, w, **common)), (x, w))
+            for name, fn in paths.items()
+        }
+        best = best_times(calls)
+        out.append(dict(experts=experts, tokens=t, **{f"{n}_ms": best[n] * 1e3 for n in paths}))
     return out
 
 

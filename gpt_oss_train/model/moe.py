@@ -15,8 +15,9 @@ Back-ends (config.moe_impl), all exact, differing in cost and sharding:
   ragged   sort the (token, expert) pairs by expert and run grouped matmuls with the
            platform's fastest kernel (grouped_matmul.py: tiles on CPUs and GPUs, the
            native ragged dot on TPUs, Mosaic on Hopper): FLOPs of the active experts
-           only, forward and backward. Decode-sized batches on accelerators gather the
-           chosen experts' weights instead (`use_gathered`).
+           only, forward and backward. Decode-sized batches gather the chosen experts'
+           weights instead on accelerators (`use_gathered`) and take the (token,
+           choice) pairs one at a time on CPUs (`use_pairwise`).
   sharded  `ragged` inside `shard_map` with expert parallelism: each device holds
            E/expert experts (and a slice of the hidden dim over `tensor`), computes the
            pairs routed to its experts for the tokens of its `expert` group, and the
@@ -217,9 +218,9 @@ def gathered_ffn(
 
 
 # Up to this many (token, choice) pairs, streamed weights (CPU inference) take the pairs
-# one at a time (`pairwise_ffn`); past it the tiled grouped matmul, which reads each
-# chosen expert once, wins (tools/benchmark.py --mode=decode, docs/PERFORMANCE.md).
-PAIRWISE_MAX_PAIRS = 16
+# one at a time (`pairwise_ffn`); from about 64 pairs the tiled grouped matmul, which
+# reads each chosen expert once, is as fast (tools/moe_benchmark.py --mode=decode).
+PAIRWISE_MAX_PAIRS = 32
 
 
 def pairwise_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
@@ -258,9 +259,8 @@ def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
     """Whether a batch is decode-sized enough for `gathered_ffn`: on accelerators, while
     tokens x k <= experts / 4. Gathering copies each chosen expert, so it only pays while
     few experts are chosen in total; past that, grouped matmuls that read each expert once
-    win. On a CPU the tiled grouped matmul, which also reads only the chosen experts, is
-    faster at every batch size (tools/moe_benchmark.py --mode=decode; figures for both in
-    docs/PERFORMANCE.md)."""
+    win. CPUs never gather: small batches take `pairwise_ffn`, the rest the tiled grouped
+    matmul (figures in docs/PERFORMANCE.md)."""
     return sharding.platform() != "cpu" and 4 * tokens * k <= num_experts
 
 

@@ -225,9 +225,9 @@ PAIRWISE_MAX_PAIRS = 32
 
 def pairwise_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
     """Decode on a CPU: a loop over the (token, choice) pairs, each multiplying its token
-    by its expert's three matrices read as slices of the weights. At 1-4 tokens this
-    reads the chosen experts at close to memory bandwidth, where a gather first copies
-    them all and a grouped matmul adds a tile loop per expert. Needs streamed weights
+    by its expert's three matrices read as slices of the weights: no gathered copy of
+    all chosen experts, no tile loop per expert; the fastest CPU path up to ~8 tokens
+    (tools/moe_benchmark.py --mode=decode). Needs streamed weights
     (model/streamed_experts.py): from a layer's sliced weights XLA would copy the whole
     layer before the loop. No LoRA (`gathered_ffn` has it)."""
     f32 = jnp.float32

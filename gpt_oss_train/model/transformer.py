@@ -6,7 +6,9 @@ Each layer is pre-norm: x += attn(norm(x)); x += moe(norm(x)). Even layers (0, 2
 attend to the last `sliding_window` keys including the current one, odd layers to all
 earlier keys. The two layers of a pair form a `Block`; blocks are stacked on a leading
 `layers` axis and run under `jax.lax.scan` (or a Python loop: same parameters, same
-numbers), each block under `jax.checkpoint` with the configured remat policy.
+numbers), each block under `jax.checkpoint` with the configured remat policy. In CPU
+inference the expert matrices stay out of the scan and each block reads the experts it
+uses from the stacks (streamed_experts.py).
 
 Every parameter carries logical axis names (`out_sharding` metadata) and activations are
 constrained by logical names through `sharding.constrain`; no mesh axis is named here.

@@ -251,7 +251,7 @@ def summarize_trace(trace_dir: str, steps: int, top: int = 15) -> dict:
     for e, own in zip(kernels, _self_times(kernels)):
         total[e["name"]] += own
         count[e["name"]] += 1
-    span = max(e["ts"] + e.get("dur", 0.0) for e in kernels) - min(e["ts"] for e in kernels)
+    span = max(_end(e) for e in kernels) - min(e["ts"] for e in kernels)
     busy = sum(total.values())
     return {
         "trace": paths[-1],

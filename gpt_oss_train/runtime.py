@@ -58,8 +58,13 @@ def compilation_cache_dir() -> str | None:
     value = os.environ.get(CACHE_ENV)
     if value is not None:
         return None if value.strip().lower() in CACHE_OFF else os.path.expanduser(value)
+    return user_cache_dir("jax")
+
+
+def user_cache_dir(name: str) -> str:
+    """$XDG_CACHE_HOME/gpt_oss_train/NAME (~/.cache/gpt_oss_train/NAME)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "gpt_oss_train", "jax")
+    return os.path.join(base, "gpt_oss_train", name)
 
 
 def setup_compilation_cache() -> str | None:

@@ -5,7 +5,7 @@ forward + backward, against the floor: one dense matmul of the same rows.
   python tools/moe_benchmark.py --rows=8192 --hidden=768 --expert_hidden=768 \
       --experts=8,32,128 --tiles=128:128,64:16
 
-  # decode-sized batches: gathered, grouped and pairwise paths, per token count
+  # decode-sized batches: gathered, grouped, pairwise and CPU-kernel paths, per token count
   python tools/moe_benchmark.py --mode=decode --experts=32 --tokens=1,2,4,8,16
 
 Rows are (token, choice) pairs of random top-k routings (tokens = rows / k), sorted by
@@ -165,10 +165,14 @@ def bench_layer(experts: int) -> list[dict]:
 def bench_decode(experts: int) -> list[dict]:
     """Forward of one MoE layer at decode sizes, its expert matrices read from a stack of
     two layers as inference streams them (model/streamed_experts.py): gathered weights,
-    grouped matmul, and pairs one at a time."""
+    grouped matmul, pairs one at a time, and the CPU kernel (where it builds). The same
+    routing is timed again and again, so the chosen experts may sit in the CPU's last-level
+    cache at small batches (4 experts of 768 x 768 fit a 32 MB L3), which a model's layers
+    never do."""
     import jax
 
     from gpt_oss_train.model import moe, streamed_experts
+    from gpt_oss_train.model.cpu_kernels import moe_decode
 
     d, f = _HIDDEN.value, _EXPERT_HIDDEN.value
     w = expert_weights(experts, d, f)
@@ -178,6 +182,10 @@ def bench_decode(experts: int) -> list[dict]:
     common = dict(limit=7.0, alpha=1.702, dtype=jax.numpy.float32)
     paths = {"gathered": moe.gathered_ffn, "grouped": moe.grouped_experts,
              "pairwise": moe.pairwise_ffn}  # fmt: skip
+    if jax.default_backend() == "cpu" and moe_decode.available():
+        paths["cpu_kernel"] = lambda x, wts, idx, w, dtype, **glu: moe_decode.moe_decode(
+            x, wts, idx, w, **glu
+        )
     out = []
     for t in (int(v) for v in _TOKENS.value):
         weights, idx = routing(t, experts)

@@ -16,8 +16,9 @@ Back-ends (config.moe_impl), all exact, differing in cost and sharding:
            platform's fastest kernel (grouped_matmul.py: tiles on CPUs and GPUs, the
            native ragged dot on TPUs, Mosaic on Hopper): FLOPs of the active experts
            only, forward and backward. Decode-sized batches gather the chosen experts'
-           weights instead on accelerators (`use_gathered`) and take the (token,
-           choice) pairs one at a time on CPUs (`use_pairwise`).
+           weights instead on accelerators (`use_gathered`); on CPUs one custom call
+           runs the whole layer (cpu_kernels/moe_decode.py), or where it does not apply
+           the (token, choice) pairs go one at a time (`use_pairwise`).
   sharded  `ragged` inside `shard_map` with expert parallelism: each device holds
            E/expert experts (and a slice of the hidden dim over `tensor`), computes the
            pairs routed to its experts for the tokens of its `expert` group, and the
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 
 from gpt_oss_train import sharding
 from gpt_oss_train.model import streamed_experts
+from gpt_oss_train.model.cpu_kernels import moe_decode as cpu_moe_decode
 from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
 
@@ -304,9 +306,11 @@ def grouped_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
 
 def ragged_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
     """Dropless MoE at the cost of the experts used: `grouped_experts`, or for
-    decode-sized batches `pairwise_ffn` (streamed weights) or `gathered_ffn`
-    (`use_gathered`)."""
+    decode-sized batches the CPU kernel (cpu_kernels/moe_decode.py), `pairwise_ffn`
+    (streamed weights it does not take) or `gathered_ffn` (`use_gathered`)."""
     t, k = idx_tk.shape
+    if cpu_moe_decode.applies(t, k, w, dtype):
+        return cpu_moe_decode.moe_decode(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha)
     if use_pairwise(t, k, w):
         impl = pairwise_ffn
     elif use_gathered(t, k, w.wi_gate.shape[0]):

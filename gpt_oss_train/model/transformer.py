@@ -29,6 +29,7 @@ from gpt_oss_train.config import ModelConfig
 from gpt_oss_train.model import attention as attn_lib
 from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_experts
 from gpt_oss_train.model import moe as moe_lib
+from gpt_oss_train.model.cpu_kernels import rows_matmul as cpu_rows_matmul
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -383,10 +384,16 @@ class Transformer(nnx.Module):
         """Float32 logits for (a slice of) hidden states; training uses loss.py instead, which
         never holds [tokens, vocab] logits for the whole batch."""
         dt = DTYPES[self.cfg.dtype]
+        kernel = self.unembed["kernel"][...]
+        b, s, d = hidden_bsd.shape
+        if cpu_rows_matmul.applies(b * s, kernel, dt):  # a decode step's few rows
+            return cpu_rows_matmul.rows_matmul(hidden_bsd.reshape(b * s, d), kernel).reshape(
+                b, s, -1
+            )
         return jnp.einsum(
             "bsd,dv->bsv",
             hidden_bsd.astype(dt),
-            self.unembed["kernel"][...].astype(dt),
+            kernel.astype(dt),
             preferred_element_type=jnp.float32,
         )
 

@@ -1,0 +1,150 @@
+"""The CPU kernels (model/cpu_kernels/) against numpy in float64. The MoE decode kernel on
+shapes and routings that reach every branch of its bookkeeping: rows per expert past the
+4-row blocks, empty experts, every pair on one expert, widths that are not a multiple of
+8, contraction lengths that are not a multiple of the 8-row step, split into several
+blocks, the layer picked from a stack. The rows matmul on the same kinds of shapes, and
+its gradient."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpt_oss_train.model import moe as moe_lib
+from gpt_oss_train.model import quantize, streamed_experts
+from gpt_oss_train.model.cpu_kernels import moe_decode, rows_matmul
+
+GLU = dict(limit=7.0, alpha=1.702)
+
+pytestmark = pytest.mark.skipif(
+    not (moe_decode.available() and rows_matmul.available()),
+    reason="no C++ compiler to build the CPU kernels",
+)
+
+
+def _weights(e, d, f, rng):
+    return dict(
+        wi_gate=rng.randn(e, d, f) / np.sqrt(d) * 3,
+        bi_gate=rng.randn(e, f),
+        wi_up=rng.randn(e, d, f) / np.sqrt(d) * 3,
+        bi_up=rng.randn(e, f),
+        wo=rng.randn(e, f, d) / np.sqrt(f),
+        bo=rng.randn(e, d),
+    )
+
+
+def _streamed(w):
+    """w's experts as layer 1 of a 3-layer stack whose other layers differ."""
+    cast = lambda a: jnp.asarray(a, jnp.float32)
+    stack = lambda a: jnp.stack([cast(a) * 3.0, cast(a), cast(a) - 1.0])
+    view = lambda a: streamed_experts.LayerView(stack(a), jnp.asarray(1, jnp.int32))
+    ew = moe_lib.ExpertWeights(**{n: cast(a) for n, a in w.items()})
+    return ew._replace(**{n: view(w[n]) for n in streamed_experts.STREAMED})
+
+
+# (tokens, k, experts, D, F, routing): D and F not multiples of 8 and longer than one
+# 128-row block (odd block ends); rows per expert 1 to 12; "one": every pair on expert 2.
+CASES = [
+    (1, 4, 32, 64, 48, "random"),
+    (3, 2, 8, 300, 260, "random"),
+    (16, 4, 8, 40, 136, "random"),
+    (12, 1, 6, 129, 9, "one"),
+    (5, 3, 16, 17, 257, "random"),
+]
+
+
+@pytest.mark.parametrize("tokens,k,experts,d,f,routing", CASES)
+def test_kernel_equals_float64_reference(tokens, k, experts, d, f, routing, expert_ffn_reference):
+    rng = np.random.RandomState(tokens * 100 + d)
+    w = _weights(experts, d, f, rng)
+    x = rng.randn(tokens, d)
+    if routing == "one":
+        idx = np.full((tokens, k), 2, np.int32)
+    else:  # distinct experts per token, several experts left empty
+        idx = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)])
+        idx = idx.astype(np.int32)
+    weights = rng.dirichlet(np.ones(k), tokens)
+    ref = expert_ffn_reference(x, weights, idx, w)
+    got = jax.jit(lambda ws: moe_decode.moe_decode(
+        jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(idx), ws, **GLU
+    ))(_streamed(w))  # fmt: skip
+    # the clamp at 7 is active, so both clamps are exercised
+    assert np.abs(np.einsum("td,edf->tef", x, w["wi_gate"])).max() > 7
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+def test_ragged_decode_takes_the_kernel_where_it_applies(expert_ffn_reference):
+    """moe.ragged_experts on float32 streamed weights at decode sizes is one custom call
+    (and equals the reference); int8 stacks, LoRA and batches past MAX_PAIRS keep XLA."""
+    rng = np.random.RandomState(0)
+    w = _weights(8, 24, 20, rng)
+    x = rng.randn(4, 24)
+    weights, idx, _ = moe_lib.route(
+        jnp.asarray(x, jnp.float32), jnp.asarray(rng.randn(24, 8), jnp.float32), jnp.zeros(8), 2
+    )
+    streamed = _streamed(w)
+    run = lambda ws: moe_lib.ragged_experts(
+        jnp.asarray(x, jnp.float32), weights, idx, ws, dtype=jnp.float32, **GLU
+    )
+    hlo = jax.jit(run).lower(streamed).as_text()
+    assert moe_decode.TARGET in hlo
+    ref = expert_ffn_reference(x, np.asarray(weights, np.float64), np.asarray(idx), w)
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(streamed)), ref, rtol=2e-5,
+                               atol=2e-5 * np.abs(ref).max())  # fmt: skip
+    int8 = streamed._replace(
+        wi_gate=streamed_experts.LayerView(
+            quantize.quantize_int8(streamed.wi_gate.stack, (2,)), streamed.wi_gate.layer
+        )
+    )
+    assert moe_decode.TARGET not in jax.jit(run).lower(int8).as_text()
+    assert not moe_decode.applies(4, 2, streamed._replace(lora=moe_lib.ExpertLoRA()), jnp.float32)
+    assert not moe_decode.applies(4, 2, streamed, jnp.bfloat16)
+    assert moe_decode.applies(moe_decode.MAX_PAIRS // 2, 2, streamed, jnp.float32)
+    assert not moe_decode.applies(moe_decode.MAX_PAIRS // 2 + 1, 2, streamed, jnp.float32)
+
+
+@pytest.mark.parametrize("m,k,n", [(2, 37, 1000), (5, 300, 24), (16, 64, 515), (1, 9, 7)])
+def test_rows_matmul_and_its_gradient_equal_float64(m, k, n):
+    rng = np.random.RandomState(m + k)
+    x, w, dy = rng.randn(m, k), rng.randn(k, n), rng.randn(m, n)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    y, vjp = jax.vjp(jax.jit(rows_matmul.rows_matmul), f32(x), f32(w))
+    dx, dw = vjp(f32(dy))
+    for got, want in ((y, x @ w), (dx, dy @ w.T), (dw, x.T @ dy)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert rows_matmul.applies(2, f32(w), jnp.float32)
+    assert not rows_matmul.applies(1, f32(w), jnp.float32)  # XLA's dot is faster there
+    assert not rows_matmul.applies(rows_matmul.MAX_ROWS + 1, f32(w), jnp.float32)
+    assert not rows_matmul.applies(2, f32(w), jnp.bfloat16)
+
+
+def test_without_a_compiler_decode_keeps_the_xla_path(tmp_path):
+    """No C++ compiler: nothing is built, a warning says so, ragged MoE still runs."""
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from gpt_oss_train.model import moe, streamed_experts\n"
+        "from gpt_oss_train.model.cpu_kernels import moe_decode, rows_matmul\n"
+        "print('available', moe_decode.available(), rows_matmul.available())\n"
+        "z = lambda *s: jnp.ones(s, jnp.float32) * 0.1\n"
+        "view = lambda a: streamed_experts.LayerView(a[None], jnp.int32(0))\n"
+        "w = moe.ExpertWeights(view(z(4, 8, 6)), z(4, 6), view(z(4, 8, 6)), z(4, 6),\n"
+        "                      view(z(4, 6, 8)), z(4, 8))\n"
+        "idx = jnp.array([[0, 3], [1, 3]], jnp.int32)\n"
+        "y = jax.jit(lambda w: moe.ragged_experts(z(2, 8), z(2, 2), idx, w, limit=7.0,\n"
+        "                                         alpha=1.702, dtype=jnp.float32))(w)\n"
+        "print('ragged', y.shape, bool(jnp.all(jnp.isfinite(y))))\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
+    env.pop("GPT_OSS_TRAIN_COMPILATION_CACHE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "available False False" in done.stdout
+    assert "ragged (2, 8) True" in done.stdout
+    assert "XLA's lowering in use" in done.stderr
+    assert not (tmp_path / "gpt_oss_train" / "cpu_kernels").exists() or not any(
+        p.suffix == ".so" for p in (tmp_path / "gpt_oss_train" / "cpu_kernels").iterdir()
+    )

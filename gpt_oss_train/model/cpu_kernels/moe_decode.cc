@@ -62,9 +62,10 @@ struct Problem {
   std::vector<int> sorted_pair;         // pair (t * k + j) -> its place in expert order
   std::vector<const float*> x_rows;     // sorted pair -> its token's row of x
   std::vector<const float*> act_rows;   // sorted pair -> its row of act
-  std::vector<float> gate_up;  // [D blocks][pairs][2F] partial gate (first F) and up
-  std::vector<float> act;      // [pairs][F]
-  std::vector<float> y;        // [F blocks][pairs][D] partial expert outputs
+  // Scratch, every element written before it is read (so left uninitialized):
+  std::unique_ptr<float[]> gate_up;  // [D blocks][pairs][2F] partial gate (first F) and up
+  std::unique_ptr<float[]> act;      // [pairs][F]
+  std::unique_ptr<float[]> y;        // [F blocks][pairs][D] partial expert outputs
   Split in_split, out_split;
   float* out;
   Problem(int d_model, int d_ff) : in_split(d_model, 128), out_split(d_ff, 128) {}
@@ -77,7 +78,7 @@ void gate_up_part(Problem& p, int item) {  // phase 1
   const int64_t matrix = int64_t(p.d_model) * p.d_ff, ld = 2 * p.d_ff;
   std::vector<const float*> rows(n);
   for (int r = 0; r < n; ++r) rows[r] = p.x_rows[first + r] + d0;
-  float* part = p.gate_up.data() + (size_t(b) * p.pairs + first) * ld;
+  float* part = p.gate_up.get() + (size_t(b) * p.pairs + first) * ld;
   matmul_rows(rows.data(), n, p.wg + e * matrix + d0 * p.d_ff, p.d_ff, d1 - d0, p.d_ff, part, ld);
   matmul_rows(rows.data(), n, p.wu + e * matrix + d0 * p.d_ff, p.d_ff, d1 - d0, p.d_ff,
               part + p.d_ff, ld);
@@ -87,10 +88,10 @@ void activation(Problem& p, int u) {  // phase 2
   const int e = p.used[u], n = p.count[u], first = p.first[u], f = p.d_ff;
   const size_t block = size_t(p.pairs) * 2 * f;
   for (int r = first; r < first + n; ++r) {
-    float* act = p.act.data() + size_t(r) * f;
+    float* act = p.act.get() + size_t(r) * f;
     for (int c = 0; c < f; ++c) {
       float g = p.bg[e * f + c], v = p.bu[e * f + c];
-      const float* part = p.gate_up.data() + size_t(r) * 2 * f + c;
+      const float* part = p.gate_up.get() + size_t(r) * 2 * f + c;
       for (int b = 0; b < p.in_split.blocks; ++b, part += block) {
         g += part[0];
         v += part[f];
@@ -109,7 +110,7 @@ void down_part(Problem& p, int item) {  // phase 3
   const int64_t matrix = int64_t(p.d_model) * p.d_ff;
   std::vector<const float*> rows(n);
   for (int r = 0; r < n; ++r) rows[r] = p.act_rows[first + r] + f0;
-  float* part = p.y.data() + (size_t(b) * p.pairs + first) * p.d_model;
+  float* part = p.y.get() + (size_t(b) * p.pairs + first) * p.d_model;
   matmul_rows(rows.data(), n, p.wo + e * matrix + int64_t(f0) * p.d_model, p.d_model, f1 - f0,
               p.d_model, part, p.d_model);
 }
@@ -206,14 +207,14 @@ ffi::Error MoeDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p->sorted_pair.resize(p->pairs);
   p->x_rows.resize(p->pairs);
   p->act_rows.resize(p->pairs);
-  p->gate_up.resize(size_t(p->in_split.blocks) * p->pairs * 2 * p->d_ff);
-  p->act.resize(size_t(p->pairs) * p->d_ff);
-  p->y.resize(size_t(p->out_split.blocks) * p->pairs * p->d_model);
+  p->gate_up.reset(new float[size_t(p->in_split.blocks) * p->pairs * 2 * p->d_ff]);
+  p->act.reset(new float[size_t(p->pairs) * p->d_ff]);
+  p->y.reset(new float[size_t(p->out_split.blocks) * p->pairs * p->d_model]);
   for (int i = 0; i < p->pairs; ++i) {
     const int s = start[idx[i]]++;
     p->sorted_pair[i] = s;
     p->x_rows[s] = x.typed_data() + size_t(i / p->k) * p->d_model;
-    p->act_rows[s] = p->act.data() + size_t(s) * p->d_ff;
+    p->act_rows[s] = p->act.get() + size_t(s) * p->d_ff;
   }
 
   // The pool's threads and this one share the items.

@@ -228,7 +228,7 @@ PAIRWISE_MAX_PAIRS = 32
 def pairwise_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
     """Decode on a CPU: a loop over the (token, choice) pairs, each multiplying its token
     by its expert's three matrices read as slices of the weights: no gathered copy of
-    all chosen experts, no tile loop per expert; the fastest CPU path up to ~8 tokens
+    all chosen experts, no tile loop per expert; the fastest XLA path up to ~8 tokens
     (tools/moe_benchmark.py --mode=decode). Needs streamed weights
     (model/streamed_experts.py): from a layer's sliced weights XLA would copy the whole
     layer before the loop. No LoRA (`gathered_ffn` has it)."""

@@ -3,10 +3,9 @@ handlers as XLA:CPU custom-call targets.
 
 The library is compiled for this machine's CPU (-march=native) and cached under the
 user's cache folder, keyed by the source (and the headers beside it), the compiler and
-the CPU's flags, so a second
-process loads it at once and a home folder shared by different CPUs never loads a
-library built for another. Without a C++ compiler (or with GPT_OSS_TRAIN_CPU_KERNELS=0)
-nothing is built and callers keep their XLA path.
+the CPU's flags, so a second process loads it at once and a home folder shared by
+different CPUs never loads a library built for another. Without a C++ compiler (or
+with GPT_OSS_TRAIN_CPU_KERNELS=0) nothing is built and callers keep their XLA path.
 """
 
 from __future__ import annotations

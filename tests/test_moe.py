@@ -12,7 +12,7 @@ from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
 from gpt_oss_train.model import grouped_matmul as gm
 from gpt_oss_train.model import moe as moe_lib
-from gpt_oss_train.model import quantize, streamed_experts
+from gpt_oss_train.model import quantize, streamed_weights
 
 GLU = dict(limit=7.0, alpha=1.702)
 
@@ -115,7 +115,7 @@ def test_gathered_path_for_decode_sized_batches_matches_reference():
 
 
 def test_streamed_expert_weights_match_reference_on_every_path():
-    """Inference's layer views (model/streamed_experts.py): the layer's experts read from
+    """Inference's layer views (model/streamed_weights.py): the layer's experts read from
     a [layers, E, ...] stack give the reference's outputs on the pairwise (decode), tiled
     (prefill) and whole-layer (dense) paths, for float and int8 stacks."""
     x, kernel, bias, w = _moe_inputs(t=4, e=8)
@@ -124,9 +124,9 @@ def test_streamed_expert_weights_match_reference_on_every_path():
     layer = 1  # stack the layer between two others of different values
     stack = lambda a: jnp.stack([f32(a) * 3.0, f32(a), f32(a) - 1.0])
     layer_idx = jnp.asarray(layer, jnp.int32)
-    view = lambda a: streamed_experts.LayerView(a, layer_idx)
+    view = lambda a: streamed_weights.LayerView(a, layer_idx)
     ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
-    streamed = ew._replace(**{n: view(stack(w[n])) for n in streamed_experts.STREAMED})
+    streamed = ew._replace(**{n: view(stack(w[n])) for n in streamed_weights.EXPERTS})
     ref = numpy_moe(x, kernel, bias, w, k=2)
     assert moe_lib.use_pairwise(4, 2, streamed) and not moe_lib.use_pairwise(4, 2, ew)
     assert not moe_lib.use_pairwise(moe_lib.PAIRWISE_MAX_PAIRS, 2, streamed)

@@ -164,21 +164,21 @@ def bench_layer(experts: int) -> list[dict]:
 
 def bench_decode(experts: int) -> list[dict]:
     """Forward of one MoE layer at decode sizes, its expert matrices read from a stack of
-    two layers as inference streams them (model/streamed_experts.py): gathered weights,
+    two layers as inference streams them (model/streamed_weights.py): gathered weights,
     grouped matmul, pairs one at a time, and the CPU kernel (where it builds). The same
     routing is timed again and again, so the chosen experts may sit in the CPU's last-level
     cache at small batches (4 experts of 768 x 768 fit a 32 MB L3), which a model's layers
     never do."""
     import jax
 
-    from gpt_oss_train.model import moe, streamed_experts
+    from gpt_oss_train.model import moe, streamed_weights
     from gpt_oss_train.model.cpu_kernels import moe_decode
 
     d, f = _HIDDEN.value, _EXPERT_HIDDEN.value
     w = expert_weights(experts, d, f)
     layer = jax.numpy.int32(1)
-    view = lambda a: streamed_experts.LayerView(jax.numpy.stack([a, a]), layer)
-    w = w._replace(**{n: view(getattr(w, n)) for n in streamed_experts.STREAMED})
+    view = lambda a: streamed_weights.LayerView(jax.numpy.stack([a, a]), layer)
+    w = w._replace(**{n: view(getattr(w, n)) for n in streamed_weights.EXPERTS})
     common = dict(limit=7.0, alpha=1.702, dtype=jax.numpy.float32)
     paths = {"gathered": moe.gathered_ffn, "grouped": moe.grouped_experts,
              "pairwise": moe.pairwise_ffn}  # fmt: skip

@@ -43,13 +43,20 @@ class KVCache(NamedTuple):
         )
 
 
-def write(cache: KVCache, k, v, positions) -> KVCache:
-    """Scatter new keys/values to slot = position % slots; positions < 0 are not written."""
-    slots = cache.pos.shape[1]
+def layer_of(cache: KVCache, layer) -> KVCache:
+    """Layer `layer` (an int32 scalar) of a stacked cache."""
+    return jax.tree.map(lambda a: a[layer], cache)
+
+
+def write(cache: KVCache, layer, k, v, positions) -> KVCache:
+    """Scatter layer `layer`'s new keys/values [b, s, ...] into the stacked cache at slot =
+    position % slots; positions < 0 are not written. The rest of the stack is untouched,
+    so inside the layer loop XLA updates the carried cache in place."""
+    slots = cache.pos.shape[2]
     slot = jnp.where(positions >= 0, positions % slots, slots)  # out of range -> dropped
     bidx = jnp.arange(k.shape[0])[:, None]
-    put = lambda buf, x: buf.at[bidx, slot].set(x.astype(buf.dtype), mode="drop")
-    pos = cache.pos.at[bidx, slot].set(positions.astype(jnp.int32), mode="drop")
+    put = lambda buf, x: buf.at[layer, bidx, slot].set(x.astype(buf.dtype), mode="drop")
+    pos = cache.pos.at[layer, bidx, slot].set(positions.astype(jnp.int32), mode="drop")
     if cache.k_scale is None:
         return KVCache(put(cache.k, k), put(cache.v, v), pos)
     (kq, ks), (vq, vs) = quantize.quantize_kv(k), quantize.quantize_kv(v)

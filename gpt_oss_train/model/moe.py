@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
-from gpt_oss_train.model import streamed_experts
+from gpt_oss_train.model import streamed_weights
 from gpt_oss_train.model.cpu_kernels import moe_decode as cpu_moe_decode
 from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
@@ -230,7 +230,7 @@ def pairwise_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dt
     by its expert's three matrices read as slices of the weights: no gathered copy of
     all chosen experts, no tile loop per expert; the fastest XLA path up to ~8 tokens
     (tools/moe_benchmark.py --mode=decode). Needs streamed weights
-    (model/streamed_experts.py): from a layer's sliced weights XLA would copy the whole
+    (model/streamed_weights.py): from a layer's sliced weights XLA would copy the whole
     layer before the loop. No LoRA (`gathered_ffn` has it)."""
     f32 = jnp.float32
     t, k = idx_tk.shape
@@ -251,7 +251,7 @@ def pairwise_ffn(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dt
 
 def use_pairwise(tokens: int, k: int, w: ExpertWeights) -> bool:
     return (
-        isinstance(w.wi_gate, streamed_experts.LayerView)
+        isinstance(w.wi_gate, streamed_weights.LayerView)
         and w.lora is None
         and tokens * k <= PAIRWISE_MAX_PAIRS
     )
@@ -347,7 +347,7 @@ def sharded_experts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha,
     if ctx is None:
         return ragged_experts(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
     mesh, rules = ctx
-    w = w._replace(**{n: streamed_experts.whole(getattr(w, n)) for n in streamed_experts.STREAMED})
+    w = w._replace(**{n: streamed_weights.whole(getattr(w, n)) for n in streamed_weights.EXPERTS})
     spec = lambda *names: sharding.logical_to_spec(names, rules)
     # Decode batches may not divide the batch shards: keep only the axes that divide.
     tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)

@@ -7,8 +7,8 @@ attend to the last `sliding_window` keys including the current one, odd layers t
 earlier keys. The two layers of a pair form a `Block`; blocks are stacked on a leading
 `layers` axis and run under `jax.lax.scan` (or a Python loop: same parameters, same
 numbers), each block under `jax.checkpoint` with the configured remat policy. In CPU
-inference the expert matrices stay out of the scan and each block reads the experts it
-uses from the stacks (streamed_experts.py).
+inference the expert matrices and attention projections stay out of the scan and each
+block reads what it uses from the stacks (streamed_weights.py).
 
 Every parameter carries logical axis names (`out_sharding` metadata) and activations are
 constrained by logical names through `sharding.constrain`; no mesh axis is named here.
@@ -27,7 +27,7 @@ from flax import nnx
 from gpt_oss_train import sharding
 from gpt_oss_train.config import ModelConfig
 from gpt_oss_train.model import attention as attn_lib
-from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_experts
+from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_weights
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.cpu_kernels import rows_matmul as cpu_rows_matmul
 
@@ -113,6 +113,19 @@ def apply_rope(x_bsnh, cos, sin):
 # ----------------------------------------------------------------------------- layers
 
 
+def dense(spec: str, x, kernel, dt):
+    """einsum(spec, x, kernel) in `dt` with float32 results, where x's dimensions after
+    [b, s] contract with the kernel's leading ones. The kernel may be a streamed layer
+    view (streamed_weights.py). A decode step's few rows take the CPU kernel, which reads
+    a view's layer in place; everything else XLA's dot."""
+    b, s = x.shape[:2]
+    if cpu_rows_matmul.applies(b * s, kernel, dt):
+        y = cpu_rows_matmul.rows_matmul(x.reshape(b * s, -1), kernel)
+        return y.reshape(b, s, *kernel.shape[x.ndim - 2 :])
+    kernel = streamed_weights.whole(kernel)
+    return jnp.einsum(spec, x.astype(dt), kernel.astype(dt), preferred_element_type=jnp.float32)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, name: str, *, rngs: nnx.Rngs):
         self.eps = cfg.rms_norm_eps
@@ -146,15 +159,14 @@ class Attention(nnx.Module):
         segment_ids,
         window,
         cache: kv_cache.KVCache | None,
+        layer=None,
         adapter_ids=None,
     ):
         cfg = self.cfg
         dt = DTYPES[cfg.dtype]
 
         def proj(kernel, bias, target):
-            y = jnp.einsum(
-                "bsd,dnh->bsnh", x_bsd, kernel[...].astype(dt), preferred_element_type=jnp.float32
-            )
+            y = dense("bsd,dnh->bsnh", x_bsd, kernel[...], dt)
             y = y + self.adapted(target, x_bsd, adapter_ids)
             return (y + bias[...].astype(jnp.float32)).astype(dt)
 
@@ -183,28 +195,25 @@ class Attention(nnx.Module):
             new_cache = None
         elif window is None:
             # Full layer: write first, then attend over every cached slot.
-            new_cache = kv_cache.write(cache, k, v, positions)
-            keys, vals = new_cache.keys_values(dt)
+            new_cache = kv_cache.write(cache, layer, k, v, positions)
+            mine = kv_cache.layer_of(new_cache, layer)
+            keys, vals = mine.keys_values(dt)
             out = attn_lib.attention(
-                q, keys, vals, sinks, q_pos=positions, k_pos=new_cache.pos, **common
+                q, keys, vals, sinks, q_pos=positions, k_pos=mine.pos, **common
             )
         else:
             # Banded layer (ring cache): attend over the ring as it was plus the new chunk, so a
             # chunk longer than the gap to its oldest needed key still sees every key; then
             # write the chunk (the ring has at least as many slots as the longest chunk).
-            ring_k, ring_v = cache.keys_values(dt)
+            ring = kv_cache.layer_of(cache, layer)
+            ring_k, ring_v = ring.keys_values(dt)
             keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
             vals = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
-            kpos = jnp.concatenate([cache.pos, positions.astype(jnp.int32)], axis=1)
+            kpos = jnp.concatenate([ring.pos, positions.astype(jnp.int32)], axis=1)
             out = attn_lib.attention(q, keys, vals, sinks, q_pos=positions, k_pos=kpos, **common)
-            new_cache = kv_cache.write(cache, k, v, positions)
+            new_cache = kv_cache.write(cache, layer, k, v, positions)
 
-        y = jnp.einsum(
-            "bsnh,nhd->bsd",
-            out.astype(dt),
-            self.o_kernel[...].astype(dt),
-            preferred_element_type=jnp.float32,
-        )
+        y = dense("bsnh,nhd->bsd", out.astype(dt), self.o_kernel[...], dt)
         y = y + self.adapted("o", out.astype(dt), adapter_ids)
         y = y + self.o_bias[...].astype(jnp.float32)
         return y.astype(dt), new_cache
@@ -283,9 +292,18 @@ class DecoderLayer(nnx.Module):
         self.moe = MoE(cfg, rngs=rngs)
         self.dtype = DTYPES[cfg.dtype]
 
-    def __call__(self, x, rope, positions, segment_ids, valid, window, cache, adapter_ids=None):
+    def __call__(
+        self, x, rope, positions, segment_ids, valid, window, cache, layer, adapter_ids=None
+    ):
         h, new_cache = self.attn(
-            self.attn_norm(x, self.dtype), rope, positions, segment_ids, window, cache, adapter_ids
+            self.attn_norm(x, self.dtype),
+            rope,
+            positions,
+            segment_ids,
+            window,
+            cache,
+            layer,
+            adapter_ids,
         )
         x = x + h
         h, aux = self.moe(self.mlp_norm(x, self.dtype), valid, adapter_ids)
@@ -301,13 +319,22 @@ class Block(nnx.Module):
         self.sliding = DecoderLayer(cfg, rngs=rngs)
         self.full = DecoderLayer(cfg, rngs=rngs)
 
-    def __call__(self, x, rope, positions, segment_ids, valid, cache, adapter_ids=None):
+    def __call__(self, x, rope, positions, segment_ids, valid, cache, layer, adapter_ids=None):
+        """`cache`: the KV caches of every block (stacked); this block's is `layer`."""
         cache = cache or {"sliding": None, "full": None}
         x, aux1, c1 = self.sliding(
-            x, rope, positions, segment_ids, valid, self.window, cache["sliding"], adapter_ids
+            x,
+            rope,
+            positions,
+            segment_ids,
+            valid,
+            self.window,
+            cache["sliding"],
+            layer,
+            adapter_ids,
         )
         x, aux2, c2 = self.full(
-            x, rope, positions, segment_ids, valid, None, cache["full"], adapter_ids
+            x, rope, positions, segment_ids, valid, None, cache["full"], layer, adapter_ids
         )
         new_cache = None if c1 is None else {"sliding": c1, "full": c2}
         return x, aux1 + aux2, new_cache
@@ -353,49 +380,38 @@ class Transformer(nnx.Module):
 
         graphdef, block_params = nnx.split(self.blocks)
         stacks = None
-        if streamed_experts.applies(cache, cfg.num_blocks):
-            block_params, stacks = streamed_experts.take(block_params, cfg.num_blocks)
+        if streamed_weights.applies(cache, cfg.num_blocks):
+            block_params, stacks = streamed_weights.take(block_params, cfg.num_blocks)
 
-        def body(x, xs):
-            params, layer_cache = xs
+        # The stacked cache rides in the loop's carry: each block writes its new keys into
+        # its own layer in place and reads that layer, where slicing it off as a scanned
+        # input and stacking it back as an output would copy every layer's cache twice a step.
+        def body(carry, xs):
+            x, cache = carry
+            params, layer = xs
             if stacks is not None:
-                params = streamed_experts.put(params, stacks)
+                params = streamed_weights.put(params, stacks)
             block = nnx.merge(graphdef, params)
-            x, aux, new_cache = block(
-                x, rope, positions, segment_ids, valid, layer_cache, adapter_ids
-            )
-            return x, (aux, new_cache)
+            x, aux, cache = block(x, rope, positions, segment_ids, valid, cache, layer, adapter_ids)
+            return (x, cache), aux
 
         body = remat.wrap(body, cfg.remat_policy, scanned=cfg.scan_layers)
+        layers = jnp.arange(cfg.num_blocks, dtype=jnp.int32)
         if cfg.scan_layers:
-            x, (aux, new_cache) = jax.lax.scan(body, x, (block_params, cache))
+            (x, new_cache), aux = jax.lax.scan(body, (x, cache), (block_params, layers))
         else:
-            auxes, caches = [], []
+            carry, auxes = (x, cache), []
             for i in range(cfg.num_blocks):
-                x, (a, c) = body(x, jax.tree.map(lambda t: t[i], (block_params, cache)))
+                carry, a = body(carry, (jax.tree.map(lambda t: t[i], block_params), layers[i]))
                 auxes.append(a)
-                caches.append(c)
-            aux = jnp.stack(auxes)
-            new_cache = None if cache is None else jax.tree.map(lambda *t: jnp.stack(t), *caches)
+            (x, new_cache), aux = carry, jnp.stack(auxes)
         hidden = self.final_norm(x, dt)
         return hidden, jnp.sum(aux) / cfg.num_layers, new_cache
 
     def logits(self, hidden_bsd):
         """Float32 logits for (a slice of) hidden states; training uses loss.py instead, which
         never holds [tokens, vocab] logits for the whole batch."""
-        dt = DTYPES[self.cfg.dtype]
-        kernel = self.unembed["kernel"][...]
-        b, s, d = hidden_bsd.shape
-        if cpu_rows_matmul.applies(b * s, kernel, dt):  # a decode step's few rows
-            return cpu_rows_matmul.rows_matmul(hidden_bsd.reshape(b * s, d), kernel).reshape(
-                b, s, -1
-            )
-        return jnp.einsum(
-            "bsd,dv->bsv",
-            hidden_bsd.astype(dt),
-            kernel.astype(dt),
-            preferred_element_type=jnp.float32,
-        )
+        return dense("bsd,dv->bsv", hidden_bsd, self.unembed["kernel"][...], DTYPES[self.cfg.dtype])
 
 
 # ----------------------------------------------------------------------------- functional

@@ -224,12 +224,10 @@ ffi::Error MoeDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   phases->items[1] = used;
   phases->items[2] = used * p->out_split.blocks;
   phases->items[3] = p->tokens;
-  const int helpers = std::max(0, int(pool.num_threads()) - 1);
-  for (int i = 0; i < helpers; ++i) pool.Schedule([p, phases] { work(*p, *phases); });
-  work(*p, *phases);
   const int last = Phases::kCount - 1;
-  while (phases->done[last].load(std::memory_order_acquire) < phases->items[last])
-    std::this_thread::yield();
+  gpt_oss_cpu::run_on_pool(pool, [p, phases] { work(*p, *phases); }, [&] {
+    return phases->done[last].load(std::memory_order_acquire) >= phases->items[last];
+  });
   return ffi::Error::Success();
 }
 

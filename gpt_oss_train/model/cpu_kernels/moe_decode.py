@@ -2,7 +2,7 @@
 matrices read once, in place, from the layer-stacked weights, on all cores.
 
 It takes over from `moe.pairwise_ffn` and the tiled grouped matmul where XLA's lowering
-is slowest: float32 streamed weights (model/streamed_experts.py: CPU inference on one
+is slowest: float32 streamed weights (model/streamed_weights.py: CPU inference on one
 device), no LoRA, up to MAX_PAIRS (token, choice) pairs; figures in docs/PERFORMANCE.md.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_oss_train import sharding
-from gpt_oss_train.model import streamed_experts
+from gpt_oss_train.model import streamed_weights
 from gpt_oss_train.model.cpu_kernels import build
 
 TARGET = "gpt_oss_moe_decode_f32"
@@ -28,12 +28,12 @@ def available() -> bool:
 
 def applies(tokens: int, k: int, w, dtype) -> bool:
     """Whether `moe_decode` can run this layer: CPU, float32, streamed plain arrays."""
-    views = [getattr(w, n) for n in streamed_experts.STREAMED]
+    views = [getattr(w, n) for n in streamed_weights.EXPERTS]
     return (
         tokens * k <= MAX_PAIRS
         and w.lora is None
         and jnp.dtype(dtype) == jnp.float32
-        and all(isinstance(v, streamed_experts.LayerView) for v in views)
+        and all(isinstance(v, streamed_weights.LayerView) for v in views)
         and all(isinstance(v.stack, jax.Array) and v.stack.dtype == jnp.float32 for v in views)
         and sharding.platform() == "cpu"
         and available()
@@ -42,7 +42,7 @@ def applies(tokens: int, k: int, w, dtype) -> bool:
 
 def moe_decode(x_td, weights_tk, idx_tk, w, *, limit: float, alpha: float):
     """sum_j weights[t, j] * expert_{idx[t, j]}(x_t), float32 [T, D]; w's three matrices
-    are LayerViews of one layer (streamed_experts.put gives them the same index)."""
+    are LayerViews of one layer (streamed_weights.put gives them the same index)."""
     if not available():
         raise RuntimeError(f"the CPU kernel {TARGET} could not be built (see the log)")
     f32 = jnp.float32

@@ -1,6 +1,8 @@
-"""A few rows times a large float32 matrix as one CPU custom call (rows_matmul.cc): the
-decode step's unembedding, where XLA:CPU's dot at 2-16 rows reads the [D, vocab] matrix
-at a fraction of the memory bandwidth. Differentiable (the backward is XLA's)."""
+"""A few rows times a large float32 matrix as one CPU custom call (rows_matmul.cc): a
+decode step's unembedding and attention projections, where XLA:CPU's dot at 2-16 rows
+reads the matrix at a fraction of the memory bandwidth. The matrix may be a layer of a
+stacked parameter (a `LayerView`, model/streamed_weights.py), read in place. For plain
+arrays it is differentiable (the backward is XLA's)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model import streamed_weights
 from gpt_oss_train.model.cpu_kernels import build
 
 TARGET = "gpt_oss_rows_matmul_f32"
-# From 2 to 16 rows the kernel is 1.3-2.4x faster than XLA's dot at the benchmark's
-# [768, 32768] unembedding; XLA's dot is faster at one row (docs/PERFORMANCE.md).
+# From 2 to 16 rows the kernel is faster than XLA's dot at the benchmark's [768, 32768]
+# unembedding; at one row XLA's dot is as fast, but a layer view costs XLA a copy of the
+# layer first, so views take the kernel from one row (docs/PERFORMANCE.md).
 MIN_ROWS, MAX_ROWS = 2, 16
 
 
@@ -21,31 +25,46 @@ def available() -> bool:
 
 
 def applies(rows: int, w, dtype) -> bool:
-    """CPU, one device, float32, a few rows."""
+    """CPU, one device, float32 (a float32 array or a view of a float32 stack), a few rows."""
+    view = isinstance(w, streamed_weights.LayerView)
+    stack = w.stack if view else w
     ctx = sharding.active()
     return (
-        MIN_ROWS <= rows <= MAX_ROWS
+        (1 if view else MIN_ROWS) <= rows <= MAX_ROWS
         and jnp.dtype(dtype) == jnp.float32
-        and isinstance(w, jax.Array)  # not an int8 QArray
-        and w.dtype == jnp.float32
+        and isinstance(stack, jax.Array)  # not an int8 QArray or MXFP4Array
+        and stack.dtype == jnp.float32
         and sharding.platform() == "cpu"
         and (ctx is None or ctx[0].size == 1)
         and available()
     )
 
 
-@jax.custom_vjp
-def rows_matmul(x_mk, w_kn):
-    """x [M, K] @ w [K, N] -> float32 [M, N]."""
+def _call(x_mk, stack_lkn, layer):
     if not available():
         raise RuntimeError(f"the CPU kernel {TARGET} could not be built (see the log)")
-    m, n = x_mk.shape[0], w_kn.shape[1]
+    m, n = x_mk.shape[0], stack_lkn.shape[2]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x_mk.astype(jnp.float32), w_kn.astype(jnp.float32))
+    return call(x_mk.astype(jnp.float32), stack_lkn, jnp.asarray(layer, jnp.int32))
+
+
+def rows_matmul(x_mk, w):
+    """x [M, K] @ w -> float32 [M, N]: w a [K, ...] array or a LayerView of such layers,
+    its leading dimensions (product K) contracted with x, the rest (product N) kept."""
+    if isinstance(w, streamed_weights.LayerView):
+        k = x_mk.shape[1]
+        stack = w.stack.reshape(w.stack.shape[0], k, -1)  # a bitcast: the layout is row-major
+        return _call(x_mk, stack, w.layer)
+    return _array_matmul(x_mk, w.reshape(x_mk.shape[1], -1))
+
+
+@jax.custom_vjp
+def _array_matmul(x_mk, w_kn):
+    return _call(x_mk, w_kn.astype(jnp.float32)[None], 0)
 
 
 def _fwd(x_mk, w_kn):
-    return rows_matmul(x_mk, w_kn), (x_mk, w_kn)
+    return _array_matmul(x_mk, w_kn), (x_mk, w_kn)
 
 
 def _bwd(res, dy_mn):
@@ -53,4 +72,4 @@ def _bwd(res, dy_mn):
     return (dy_mn @ w_kn.T).astype(x_mk.dtype), (x_mk.T @ dy_mn).astype(w_kn.dtype)
 
 
-rows_matmul.defvjp(_fwd, _bwd)
+_array_matmul.defvjp(_fwd, _bwd)

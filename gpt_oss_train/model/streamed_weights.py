@@ -1,16 +1,17 @@
-"""Inference reads the expert weights it uses straight from their layer-stacked arrays.
+"""Inference reads the large weights it uses straight from their layer-stacked arrays.
 
 The layer loop (`jax.lax.scan` over blocks) hands each block its slice of every stacked
-parameter. For the expert weights that slice is all E experts of the layer, and where a
-loop consumes it (the tiled grouped matmul, one expert per step) XLA first copies the
-whole slice: 226 MB per layer at the CPU benchmark's shape, to use 4 experts (28 MB) at
-batch 1. The copies were ~80% of a batch-1 decode step (docs/PERFORMANCE.md).
+parameter, and XLA copies a slice before a dot or a loop reads it. For the expert
+weights that slice is all E experts of the layer: 226 MB per layer at the CPU
+benchmark's shape, copied to use 4 experts (28 MB) at batch 1; the copies were ~80% of a
+batch-1 decode step (docs/PERFORMANCE.md). The attention projections are read whole, but
+copying them before reading them still doubles their memory traffic.
 
-So in inference the expert matrices stay out of the scanned state: each block gets a
-`LayerView` (the stacked array and its layer index) in their place, and indexing a view
-by expert reads that expert from the stack, `stack[layer, e]`, never the whole layer.
-Training keeps the plain slices: a view's gradient would be a stack-sized accumulator in
-the backward scan.
+So in inference these matrices stay out of the scanned state: each block gets a
+`LayerView` (the stacked array and its layer index) in their place. Indexing a view by
+expert reads that expert from the stack, `stack[layer, e]`, never the whole layer, and
+the CPU kernels (model/cpu_kernels/) read a view's layer in place. Training keeps the
+plain slices: a view's gradient would be a stack-sized accumulator in the backward scan.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from flax import nnx
 
 from gpt_oss_train import sharding
 
-# The expert matrices (E x D x F each); their biases are small and stay in the scan.
-STREAMED = ("wi_gate", "wi_up", "wo")
+# The expert matrices (E x D x F each) and the attention projections, by module; biases
+# are small and stay in the scan.
+EXPERTS = ("wi_gate", "wi_up", "wo")
+PROJECTIONS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel")
+STREAMED = {"moe": EXPERTS, "attn": PROJECTIONS}
 
 
 @jax.tree_util.register_dataclass
@@ -78,7 +82,7 @@ def applies(cache, num_blocks: int) -> bool:
 
 def _is_streamed(path) -> bool:
     names = [getattr(k, "key", k) for k in path]
-    return len(names) >= 2 and names[-2] == "moe" and names[-1] in STREAMED
+    return len(names) >= 2 and names[-1] in STREAMED.get(names[-2], ())
 
 
 def _map_streamed(fn, state):
@@ -95,7 +99,7 @@ def _map_streamed(fn, state):
 
 
 def take(block_params, num_blocks: int):
-    """Split the stacked expert matrices off the scanned block state. Returns (the state
+    """Split the streamed matrices off the scanned block state. Returns (the state
     with each of them replaced by its layer indices [num_blocks], {path: stack})."""
     stacks = {}
 

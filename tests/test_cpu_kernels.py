@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpt_oss_train.model import kv_cache, quantize, streamed_weights
 from gpt_oss_train.model import moe as moe_lib
-from gpt_oss_train.model import quantize, streamed_weights
-from gpt_oss_train.model.cpu_kernels import build, moe_decode, rows_matmul
+from gpt_oss_train.model.cpu_kernels import build, decode_attention, moe_decode, rows_matmul
 
 GLU = dict(limit=7.0, alpha=1.702)
 
@@ -137,6 +137,53 @@ def test_rows_matmul_reads_a_layer_of_a_stack_in_place(m):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     hlo = fn.lower(jnp.asarray(x, jnp.float32), view).as_text()
     assert rows_matmul.TARGET in hlo and "dynamic_slice" not in hlo
+
+
+def _attention_reference(q, k, v, k_pos, q_pos, sinks, window):
+    """gpt-oss attention with sinks over cached keys, numpy float64, one head at a time."""
+    b, s, n, h = q.shape
+    g = n // k.shape[2]
+    out = np.zeros(q.shape)
+    for bi in range(b):
+        for si in range(s):
+            p = q_pos[bi, si]
+            seen = (k_pos[bi] >= 0) & (k_pos[bi] <= p)
+            if window:
+                seen &= p - k_pos[bi] < window
+            for head in range(n):
+                logits = k[bi, :, head // g] @ q[bi, si, head] / np.sqrt(h)
+                m = max(logits[seen].max(initial=-np.inf), sinks[head])
+                e = np.where(seen, np.exp(logits - m), 0.0)
+                out[bi, si, head] = e @ v[bi, :, head // g] / (e.sum() + np.exp(sinks[head] - m))
+    return out
+
+
+@pytest.mark.parametrize(
+    "b,s,n,kh,h,t,window",
+    [(3, 1, 12, 4, 64, 40, None), (2, 3, 6, 2, 20, 17, 8), (1, 1, 4, 4, 8, 5, 2)],
+)
+def test_decode_attention_equals_float64(b, s, n, kh, h, t, window):
+    """Layer 1 of a 3-layer cache whose layers differ; slots hold positions out of order
+    (a ring), some empty (-1); the last row's first query sees no key at all (output 0)."""
+    rng = np.random.RandomState(t)
+    k, v = rng.randn(3, b, t, kh, h), rng.randn(3, b, t, kh, h)
+    k_pos = np.stack([rng.permutation(t) - t // 4 for _ in range(3 * b)]).reshape(3, b, t)
+    k_pos = np.maximum(k_pos, -1)
+    q_pos = np.sort(rng.randint(0, t, size=(b, s)), axis=1)
+    q_pos[-1, 0] = -5  # before every key
+    q, sinks = rng.randn(b, s, n, h), rng.randn(n)
+    f32, i32 = (lambda a: jnp.asarray(a, jnp.float32)), (lambda a: jnp.asarray(a, jnp.int32))
+    cache = kv_cache.KVCache(f32(k), f32(v), i32(k_pos))
+    assert decode_attention.applies(f32(q), cache)
+    fn = jax.jit(decode_attention.decode_attention, static_argnames="window")
+    got = np.asarray(fn(f32(q), cache, i32(1), f32(sinks), i32(q_pos), window=window))
+    want = _attention_reference(q, k[1], v[1], k_pos[1], q_pos, sinks, window)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.all(got[-1, 0] == 0)
+    int8 = kv_cache.KVCache(
+        cache.k.astype(jnp.int8), cache.v.astype(jnp.int8), cache.pos, cache.k, cache.v
+    )
+    assert not decode_attention.applies(f32(q), int8)
 
 
 def test_without_a_compiler_decode_keeps_the_xla_path(tmp_path):

@@ -22,6 +22,10 @@ Back-ends:
              over batch and heads.
   flash      GPU Pallas (Triton) flash attention with sinks, window and segments, forward
              and backward (flash_attention.py); under shard_map over batch and heads.
+
+Decode on a CPU does not come here: its few queries attend over the stacked float32 cache
+in a C++ custom call that reads it in place (cpu_kernels/decode_attention.py), with the
+same visibility and results as `xla_attention`.
 """
 
 from __future__ import annotations

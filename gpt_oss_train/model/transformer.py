@@ -29,6 +29,7 @@ from gpt_oss_train.config import ModelConfig
 from gpt_oss_train.model import attention as attn_lib
 from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_weights
 from gpt_oss_train.model import moe as moe_lib
+from gpt_oss_train.model.cpu_kernels import decode_attention as cpu_decode_attention
 from gpt_oss_train.model.cpu_kernels import rows_matmul as cpu_rows_matmul
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -193,14 +194,23 @@ class Attention(nnx.Module):
                 **common,
             )
             new_cache = None
-        elif window is None:
-            # Full layer: write first, then attend over every cached slot.
+        elif window is None or (
+            # A banded layer's ring may be written first too when the chunk cannot overwrite
+            # a key that one of its queries still needs; only the CPU kernel asks for that.
+            q.shape[1] <= cache.pos.shape[2] - window + 1 and cpu_decode_attention.applies(q, cache)
+        ):
+            # Write first, then attend over every cached slot of the layer.
             new_cache = kv_cache.write(cache, layer, k, v, positions)
-            mine = kv_cache.layer_of(new_cache, layer)
-            keys, vals = mine.keys_values(dt)
-            out = attn_lib.attention(
-                q, keys, vals, sinks, q_pos=positions, k_pos=mine.pos, **common
-            )
+            if cpu_decode_attention.applies(q, new_cache):  # reads the stack in place
+                out = cpu_decode_attention.decode_attention(
+                    q, new_cache, layer, sinks, positions, window
+                )
+            else:
+                mine = kv_cache.layer_of(new_cache, layer)
+                keys, vals = mine.keys_values(dt)
+                out = attn_lib.attention(
+                    q, keys, vals, sinks, q_pos=positions, k_pos=mine.pos, **common
+                )
         else:
             # Banded layer (ring cache): attend over the ring as it was plus the new chunk, so a
             # chunk longer than the gap to its oldest needed key still sees every key; then

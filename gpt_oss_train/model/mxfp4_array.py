@@ -20,13 +20,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train.io.mxfp4 import FP4_VALUES
+from gpt_oss_train.model.lazy_weight import LazyWeight
 
 BLOCK = 32
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class MXFP4Array:
+class MXFP4Array(LazyWeight):
     blocks: jax.Array  # uint8 [..., out, in/32, 16]
     scales: jax.Array  # uint8 [..., out, in/32]
 
@@ -40,14 +41,8 @@ class MXFP4Array:
     def dtype(self):
         return jnp.dtype(jnp.bfloat16)  # what its values fit exactly
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __getitem__(self, index):
-        if index is Ellipsis:
-            return self
-        # Indexes leading axes only (a layer, chosen experts): the blocks stay packed.
+    def take(self, index):
+        # Leading axes only (a layer, chosen experts): the blocks stay packed.
         return MXFP4Array(self.blocks[index], self.scales[index])
 
     def astype(self, dtype):

@@ -17,29 +17,24 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train.model import parameters
+from gpt_oss_train.model.lazy_weight import LazyWeight
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class QArray:
+class QArray(LazyWeight):
     q: jax.Array  # int8, the weight's shape
     scale: jax.Array  # float32, the weight's shape with contraction axes of size 1
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, ...]:
         return self.q.shape
 
     @property
     def dtype(self):
         return self.scale.dtype
 
-    @property
-    def ndim(self):
-        return self.q.ndim
-
-    def __getitem__(self, index):
-        if index is Ellipsis:
-            return self
+    def take(self, index):
         # Slicing whole leading axes (e.g. one layer of a stacked weight) keeps it quantized.
         return QArray(self.q[index], self.scale[index])
 

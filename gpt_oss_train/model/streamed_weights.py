@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model.lazy_weight import LazyWeight
 
 # The expert matrices (E x D x F each) and the attention projections, by module; biases
 # are small and stay in the scan.
@@ -34,7 +35,7 @@ STREAMED = {"moe": EXPERTS, "attn": PROJECTIONS}
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class LayerView:
+class LayerView(LazyWeight):
     """Layer `layer` of a layer-stacked weight (an array, an int8 QArray or an MXFP4Array),
     read lazily: `view[i]` is `stack[layer, i]`; `astype` materializes the whole layer
     (for kernels that need it, such as `lax.ragged_dot`)."""
@@ -50,13 +51,7 @@ class LayerView:
     def dtype(self):
         return self.stack.dtype
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __getitem__(self, index):
-        if index is Ellipsis:
-            return self
+    def take(self, index):
         return self.stack[(self.layer, index)]
 
     def astype(self, dtype):

@@ -148,6 +148,21 @@ def test_binary_appends_and_type_checks(root):
         storage.open(path, "r+")
 
 
+def test_appends_keep_line_ending_bytes_at_the_end_of_each_write(root):
+    """An upload whose data ends in "\r" once lost that byte on the bucket emulator (its
+    multipart parser): a TFRecord's CRC byte, so TensorBoard skipped the rest of the file."""
+    path = storage.join(root, "records.bin")
+    chunks = [b"a\r", b"\r", b"b\n", b"\r\n", b"c\r\r", b"\n\r"]
+    with storage.open(path, "ab") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            f.flush()  # each chunk its own upload
+    assert storage.read_bytes(path) == b"".join(chunks)
+    for i, chunk in enumerate(chunks):
+        storage.write_atomic(storage.join(root, f"whole{i}"), chunk)
+        assert storage.read_bytes(storage.join(root, f"whole{i}")) == chunk
+
+
 def _scalar_event(step: int, wall_time: float, **values) -> event_pb2.Event:
     summary = summary_pb2.Summary(
         value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in values.items()]

@@ -39,6 +39,9 @@ _RAGGED_MAX = flags.DEFINE_integer(
 _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16"], "decode: tokens per step.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per case (best is kept).")
 _CLOCK = flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "What a time is (see best_times).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"], "kernels: x and w dtype (the compute dtype)."
+)
 
 
 def best_times(calls: dict) -> dict:
@@ -92,11 +95,10 @@ def _time_fwd_and_vjp(cases: dict, x, w, experts: int) -> list[dict]:
     times relative to the first case (the floor)."""
     import jax
 
-    ct = jax.random.normal(
-        jax.random.key(2), jax.eval_shape(next(iter(cases.values())), x, w).shape
-    )
     calls = {}
     for name, fn in cases.items():
+        out = jax.eval_shape(fn, x, w)  # float32 or the operands' dtype, per kernel
+        ct = jax.random.normal(jax.random.key(2), out.shape).astype(out.dtype)
         calls[(name, "fwd")] = (jax.jit(fn), (x, w))
         vjp = jax.jit(lambda x, w, ct, fn=fn: jax.vjp(fn, x, w)[1](ct))
         calls[(name, "vjp")] = (vjp, (x, w, ct))
@@ -123,8 +125,8 @@ def bench_kernels(experts: int) -> list[dict]:
     rows, d, f = _ROWS.value, _HIDDEN.value, _EXPERT_HIDDEN.value
     _, idx = routing(rows // _K.value, experts)
     group_sizes = jnp.bincount(idx.reshape(-1), length=experts).astype(jnp.int32)
-    x = jax.random.normal(jax.random.key(3), (rows, d))
-    w = expert_weights(experts, d, f).wi_gate
+    x = jax.random.normal(jax.random.key(3), (rows, d)).astype(_DTYPE.value)
+    w = expert_weights(experts, d, f).wi_gate.astype(_DTYPE.value)
     cases = {"floor (one dense matmul)": lambda x, w: x @ w[0]}
     if experts <= _RAGGED_MAX.value:
         cases["ragged_dot"] = lambda x, w: gm.grouped_matmul(x, w, group_sizes, "ragged_dot")
@@ -209,6 +211,8 @@ def main(argv):
     for e in (int(v) for v in _EXPERTS.value):
         for r in bench(e):
             r = {"mode": _MODE.value, "clock": _CLOCK.value, "rows": _ROWS.value, **r}
+            if _MODE.value == "kernels":
+                r["dtype"] = _DTYPE.value
             r["hidden"] = _HIDDEN.value
             r["expert_hidden"] = _EXPERT_HIDDEN.value
             print(json.dumps(r), flush=True)

@@ -2,6 +2,7 @@
 
 fast_bfloat16(platform)   does the hardware multiply bfloat16 natively?
 resolve_dtype(name)       config.dtype "auto" -> "bfloat16" or "float32" for this machine
+                          and job (training, or inference)
 setup_compilation_cache() JAX's persistent compilation cache, on by default, so a
                           second run of the same command skips compiling
 """
@@ -45,10 +46,17 @@ def fast_bfloat16(platform: str | None = None, flags: frozenset[str] | None = No
     return any(f in (cpu_flags() if flags is None else flags) for f in BF16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str, platform: str | None = None) -> str:
-    """A config dtype with "auto" replaced by this machine's fastest matmul dtype."""
+def resolve_dtype(name: str, platform: str | None = None, *, inference: bool = False) -> str:
+    """A config dtype with "auto" replaced by what is fastest here: for training, the
+    fastest matmul dtype; for inference on a CPU, float32 whatever its units, because
+    decoding is bound by reading the weights and the decode kernels (model/cpu_kernels/)
+    read the float32 weights in place and compute in float32, where bfloat16 compute
+    leaves them out (docs/PERFORMANCE.md, "Eighth session")."""
     if name != "auto":
         return name
+    platform = platform or jax.devices()[0].platform
+    if inference and platform == "cpu":
+        return "float32"
     return "bfloat16" if fast_bfloat16(platform) else "float32"
 
 

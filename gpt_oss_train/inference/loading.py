@@ -17,7 +17,7 @@ import jax
 from absl import logging
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import huge_pages, sharding
+from gpt_oss_train import huge_pages, runtime, sharding
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io import storage
@@ -160,6 +160,10 @@ def _place(
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
     mesh of the runtime config (over `devices`, default the local ones), int8-quantized
     if asked, with `adapters` ([(name, folder)]) beside the base."""
+    if config.dtype == "auto":  # inference's own choice (runtime.resolve_dtype)
+        config = config.copy_and_resolve_references()
+        platform = (devices or jax.local_devices())[0].platform
+        config.dtype = runtime.resolve_dtype("auto", platform, inference=True)
     # The adapters, not the runtime config, say what LoRA the model carries.
     md = ModelDef(config_lib.ModelConfig.from_config(config, arch).replace(lora=None))
     rules = sharding.validate_rules(config.logical_axis_rules)

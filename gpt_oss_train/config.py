@@ -60,8 +60,8 @@ ATTENTION_IMPLS = tuple(attention_lib.IMPLS)
 MOE_IMPLS = tuple(moe_lib.EXPERT_IMPLS)
 DTYPES = ("float32", "bfloat16", "float16")
 # config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
-# float32 elsewhere and for inference on a CPU (runtime.resolve_dtype, decided on the
-# machine that runs).
+# float32 elsewhere (runtime.resolve_dtype, decided on the machine that runs); inference
+# under "auto" also keeps the weights in that dtype (inference/loading.py).
 COMPUTE_DTYPES = ("auto",) + DTYPES
 # How a LoRA run stores its frozen base: as trained (param_dtype), bfloat16, int8 with a
 # scale per output channel, or the published checkpoints' MXFP4 experts (blocks + scales).

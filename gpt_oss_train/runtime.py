@@ -2,7 +2,7 @@
 
 fast_bfloat16(platform)   does the hardware multiply bfloat16 natively?
 resolve_dtype(name)       config.dtype "auto" -> "bfloat16" or "float32" for this machine
-                          and job (training, or inference)
+inference_compiler_options()  XLA options of the jitted prefill and decode functions
 setup_compilation_cache() JAX's persistent compilation cache, on by default, so a
                           second run of the same command skips compiling
 """
@@ -46,18 +46,22 @@ def fast_bfloat16(platform: str | None = None, flags: frozenset[str] | None = No
     return any(f in (cpu_flags() if flags is None else flags) for f in BF16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str, platform: str | None = None, *, inference: bool = False) -> str:
-    """A config dtype with "auto" replaced by what is fastest here: for training, the
-    fastest matmul dtype; for inference on a CPU, float32 whatever its units, because
-    decoding is bound by reading the weights and the decode kernels (model/cpu_kernels/)
-    read the float32 weights in place and compute in float32, where bfloat16 compute
-    leaves them out (docs/PERFORMANCE.md, "Eighth session")."""
+def resolve_dtype(name: str, platform: str | None = None) -> str:
+    """A config dtype with "auto" replaced by the fastest matmul dtype here."""
     if name != "auto":
         return name
-    platform = platform or jax.devices()[0].platform
-    if inference and platform == "cpu":
-        return "float32"
     return "bfloat16" if fast_bfloat16(platform) else "float32"
+
+
+def inference_compiler_options(platform: str | None = None) -> dict:
+    """On a CPU, no while-loop-invariant code motion: XLA:CPU hoists the conversion or
+    bit copy of a bfloat16 weight stack that a loop slices out of its loops, so each
+    prefill chunk copied every expert of every layer before computing (docs/PERFORMANCE.md,
+    "Ninth session"); with the pass off only the slices used are read. Elsewhere none."""
+    platform = platform or jax.devices()[0].platform
+    if platform != "cpu":
+        return {}
+    return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
 def compilation_cache_dir() -> str | None:

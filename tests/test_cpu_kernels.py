@@ -3,7 +3,9 @@ shapes and routings that reach every branch of its bookkeeping: rows per expert 
 4-row blocks, empty experts, every pair on one expert, widths that are not a multiple of
 8, contraction lengths that are not a multiple of the 8-row step, split into several
 blocks, the layer picked from a stack. The rows matmul on the same kinds of shapes, and
-its gradient."""
+its gradient. Weights and caches in float32 and in bfloat16, whose values the reference
+takes exactly (a bfloat16 widens to float32 without rounding), so the tolerances stay
+float32's."""
 
 import os
 import subprocess
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train.model import kv_cache, quantize, streamed_weights
+from gpt_oss_train.model import bit_moves, kv_cache, quantize, streamed_weights
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.cpu_kernels import build, decode_attention, moe_decode, rows_matmul
 
@@ -38,10 +40,15 @@ def _weights(e, d, f, rng):
     )
 
 
-def _streamed(w):
-    """w's experts as layer 1 of a 3-layer stack whose other layers differ."""
+def _rounded(a, dtype):
+    """a's values as `dtype` holds them, in float64."""
+    return np.asarray(jnp.asarray(a, dtype).astype(jnp.float32), np.float64)
+
+
+def _streamed(w, dtype=jnp.float32):
+    """w's experts as layer 1 of a 3-layer stack (of `dtype`) whose other layers differ."""
     cast = lambda a: jnp.asarray(a, jnp.float32)
-    stack = lambda a: jnp.stack([cast(a) * 3.0, cast(a), cast(a) - 1.0])
+    stack = lambda a: jnp.stack([cast(a) * 3.0, cast(a), cast(a) - 1.0]).astype(dtype)
     view = lambda a: streamed_weights.LayerView(stack(a), jnp.asarray(1, jnp.int32))
     ew = moe_lib.ExpertWeights(**{n: cast(a) for n, a in w.items()})
     return ew._replace(**{n: view(w[n]) for n in streamed_weights.EXPERTS})
@@ -58,10 +65,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("tokens,k,experts,d,f,routing", CASES)
-def test_kernel_equals_float64_reference(tokens, k, experts, d, f, routing, expert_ffn_reference):
+def test_kernel_equals_float64_reference(
+    tokens, k, experts, d, f, routing, dtype, expert_ffn_reference
+):
     rng = np.random.RandomState(tokens * 100 + d)
     w = _weights(experts, d, f, rng)
+    w = {n: _rounded(a, dtype) if n in streamed_weights.EXPERTS else a for n, a in w.items()}
     x = rng.randn(tokens, d)
     if routing == "one":
         idx = np.full((tokens, k), 2, np.int32)
@@ -72,7 +83,7 @@ def test_kernel_equals_float64_reference(tokens, k, experts, d, f, routing, expe
     ref = expert_ffn_reference(x, weights, idx, w)
     got = jax.jit(lambda ws: moe_decode.moe_decode(
         jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(idx), ws, **GLU
-    ))(_streamed(w))  # fmt: skip
+    ))(_streamed(w, dtype))  # fmt: skip
     # the clamp at 7 is active, so both clamps are exercised
     assert np.abs(np.einsum("td,edf->tef", x, w["wi_gate"])).max() > 7
     np.testing.assert_allclose(np.asarray(got), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
@@ -103,7 +114,8 @@ def test_ragged_decode_takes_the_kernel_where_it_applies(expert_ffn_reference):
     )
     assert moe_decode.TARGET not in jax.jit(run).lower(int8).as_text()
     assert not moe_decode.applies(4, 2, streamed._replace(lora=moe_lib.ExpertLoRA()), jnp.float32)
-    assert not moe_decode.applies(4, 2, streamed, jnp.bfloat16)
+    assert moe_decode.applies(4, 2, streamed, jnp.bfloat16)
+    assert not moe_decode.applies(4, 2, streamed, jnp.float16)
     assert moe_decode.applies(moe_decode.MAX_PAIRS // 2, 2, streamed, jnp.float32)
     assert not moe_decode.applies(moe_decode.MAX_PAIRS // 2 + 1, 2, streamed, jnp.float32)
 
@@ -117,19 +129,27 @@ def test_rows_matmul_and_its_gradient_equal_float64(m, k, n):
     dx, dw = vjp(f32(dy))
     for got, want in ((y, x @ w), (dx, dy @ w.T), (dw, x.T @ dy)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert rows_matmul.applies(2, f32(w), jnp.float32)
-    assert not rows_matmul.applies(1, f32(w), jnp.float32)  # XLA's dot is faster there
+    assert rows_matmul.applies(1, f32(w), jnp.float32)
     assert not rows_matmul.applies(rows_matmul.MAX_ROWS + 1, f32(w), jnp.float32)
-    assert not rows_matmul.applies(2, f32(w), jnp.bfloat16)
+    assert rows_matmul.applies(2, f32(w), jnp.bfloat16)
+    assert not rows_matmul.applies(2, f32(w), jnp.float16)
+    # bfloat16 weights, read as they are: the product of their exact values.
+    wb = jnp.asarray(w, jnp.bfloat16)
+    assert rows_matmul.applies(m, wb, jnp.bfloat16)
+    got = jax.jit(rows_matmul.rows_matmul)(f32(x), wb)
+    want = x @ _rounded(w, jnp.bfloat16)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m", [1, 3, 16])
-def test_rows_matmul_reads_a_layer_of_a_stack_in_place(m):
+def test_rows_matmul_reads_a_layer_of_a_stack_in_place(m, dtype):
     """A streamed projection: x [m, n*h] times layer 1 of a [3, n, h, d] stack whose
     layers differ, the kernel's call reading the stack itself (no slice in the HLO)."""
     rng = np.random.RandomState(m)
-    stack, x = rng.randn(3, 4, 24, 40), rng.randn(m, 4 * 24)
-    view = streamed_weights.LayerView(jnp.asarray(stack, jnp.float32), jnp.asarray(1, jnp.int32))
+    stack, x = _rounded(rng.randn(3, 4, 24, 40), dtype), rng.randn(m, 4 * 24)
+    view = streamed_weights.LayerView(jnp.asarray(stack, dtype), jnp.asarray(1, jnp.int32))
     assert rows_matmul.applies(m, view, jnp.float32)
     fn = jax.jit(rows_matmul.rows_matmul)
     got = np.asarray(fn(jnp.asarray(x, jnp.float32), view))
@@ -158,28 +178,34 @@ def _attention_reference(q, k, v, k_pos, q_pos, sinks, window):
     return out
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "b,s,n,kh,h,t,window",
     [(3, 1, 12, 4, 64, 40, None), (2, 3, 6, 2, 20, 17, 8), (1, 1, 4, 4, 8, 5, 2)],
 )
-def test_decode_attention_equals_float64(b, s, n, kh, h, t, window):
+def test_decode_attention_equals_float64(b, s, n, kh, h, t, window, dtype):
     """Layer 1 of a 3-layer cache whose layers differ; slots hold positions out of order
-    (a ring), some empty (-1); the last row's first query sees no key at all (output 0)."""
+    (a ring), some empty (-1); the last row's first query sees no key at all (output 0).
+    A bfloat16 cache is stored as kv_cache stores it (uint16 bits)."""
     rng = np.random.RandomState(t)
-    k, v = rng.randn(3, b, t, kh, h), rng.randn(3, b, t, kh, h)
+    k = _rounded(rng.randn(3, b, t, kh, h), dtype)
+    v = _rounded(rng.randn(3, b, t, kh, h), dtype)
     k_pos = np.stack([rng.permutation(t) - t // 4 for _ in range(3 * b)]).reshape(3, b, t)
     k_pos = np.maximum(k_pos, -1)
     q_pos = np.sort(rng.randint(0, t, size=(b, s)), axis=1)
     q_pos[-1, 0] = -5  # before every key
     q, sinks = rng.randn(b, s, n, h), rng.randn(n)
     f32, i32 = (lambda a: jnp.asarray(a, jnp.float32)), (lambda a: jnp.asarray(a, jnp.int32))
-    cache = kv_cache.KVCache(f32(k), f32(v), i32(k_pos))
+    store = lambda a: bit_moves.to_storage(f32(a), bit_moves.storage_dtype(dtype))
+    cache = kv_cache.KVCache(store(k), store(v), i32(k_pos))
     assert decode_attention.applies(f32(q), cache)
     fn = jax.jit(decode_attention.decode_attention, static_argnames="window")
     got = np.asarray(fn(f32(q), cache, i32(1), f32(sinks), i32(q_pos), window=window))
     want = _attention_reference(q, k[1], v[1], k_pos[1], q_pos, sinks, window)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.all(got[-1, 0] == 0)
+    assert fn(q.astype(np.float32).astype(dtype), cache, i32(1), f32(sinks), i32(q_pos),
+              window=window).dtype == dtype  # fmt: skip
     int8 = kv_cache.KVCache(
         cache.k.astype(jnp.int8), cache.v.astype(jnp.int8), cache.pos, cache.k, cache.v
     )

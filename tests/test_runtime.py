@@ -38,10 +38,7 @@ def test_explicit_dtypes_win_and_model_configs_get_a_concrete_one():
     assert runtime.resolve_dtype("float32", "tpu") == "float32"
     assert runtime.resolve_dtype("bfloat16", "cpu") == "bfloat16"
     assert runtime.resolve_dtype("auto", "tpu") == "bfloat16"
-    # Inference on a CPU: float32, the decode kernels' dtype, even with bfloat16 units.
-    assert runtime.resolve_dtype("auto", "cpu", inference=True) == "float32"
-    assert runtime.resolve_dtype("auto", "gpu", inference=True) == "bfloat16"
-    assert runtime.resolve_dtype("bfloat16", "cpu", inference=True) == "bfloat16"
+    assert runtime.resolve_dtype("auto", "gpu") == "bfloat16"
     c = config_lib.default_config()
     assert c.dtype == "auto"
     config_lib.validate(c)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gpt_oss_train import sharding
+from gpt_oss_train import runtime, sharding
 from gpt_oss_train.inference import sampling
 from gpt_oss_train.model import kv_cache
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
@@ -69,9 +69,18 @@ class EngineSteps:
         # prompt token left to prefill.
         self.max_prefix_blocks = min(pool_blocks, (max_context - 1) // block)
         self.id_slots = max(self.max_prefix_blocks, 1)  # length of admit's block_ids
-        self.prefill = jax.jit(self._prefill, donate_argnums=(1,), static_argnames=("context",))
+        options = runtime.inference_compiler_options()
+        self.prefill = jax.jit(
+            self._prefill,
+            donate_argnums=(1,),
+            static_argnames=("context",),
+            compiler_options=options,
+        )
         self.decode = jax.jit(
-            self._decode, donate_argnums=(1,), static_argnames=("rows", "context")
+            self._decode,
+            donate_argnums=(1,),
+            static_argnames=("rows", "context"),
+            compiler_options=options,
         )
         self.admit = jax.jit(self._admit, donate_argnums=(0,))
         self.save = jax.jit(self._save, donate_argnums=(0,))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from gpt_oss_train import runtime
 from gpt_oss_train.inference import sampling as sampling_lib
 from gpt_oss_train.model import kv_cache
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
@@ -75,9 +76,13 @@ class Generator:
         self.int8_kv = int8_kv_cache
         self.dtype = DTYPES[self.cfg.dtype]
         self.on_token = on_token
-        self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,))
+        options = runtime.inference_compiler_options()
+        self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,), compiler_options=options)
         self._decode = jax.jit(
-            self._decode_loop, donate_argnums=(1,), static_argnames=("max_new", "sampling")
+            self._decode_loop,
+            donate_argnums=(1,),
+            static_argnames=("max_new", "sampling"),
+            compiler_options=options,
         )
 
     # -- compiled pieces --------------------------------------------------------------

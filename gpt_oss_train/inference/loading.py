@@ -160,10 +160,13 @@ def _place(
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
     mesh of the runtime config (over `devices`, default the local ones), int8-quantized
     if asked, with `adapters` ([(name, folder)]) beside the base."""
-    if config.dtype == "auto":  # inference's own choice (runtime.resolve_dtype)
+    if config.dtype == "auto":
+        # This machine's compute dtype, and the weights kept in it, as vLLM serves: a
+        # decode step is bound by reading the weights, and the CPU kernels read bfloat16
+        # ones at half float32's bytes.
         config = config.copy_and_resolve_references()
         platform = (devices or jax.local_devices())[0].platform
-        config.dtype = runtime.resolve_dtype("auto", platform, inference=True)
+        config.dtype = config.param_dtype = runtime.resolve_dtype("auto", platform)
     # The adapters, not the runtime config, say what LoRA the model carries.
     md = ModelDef(config_lib.ModelConfig.from_config(config, arch).replace(lora=None))
     rules = sharding.validate_rules(config.logical_axis_rules)

@@ -5,7 +5,8 @@ leading [num_blocks] axis like the block parameters. Slot i of a row holds the k
 of position pos[b, i] (-1: empty). A token at position p lives in slot p % slots: full
 layers have a slot per position, banded layers a ring of at least `window` slots, so
 their memory does not grow with context. With an int8 cache, k/v are int8 and
-k_scale/v_scale hold one float32 scale per (slot, head).
+k_scale/v_scale hold one float32 scale per (slot, head). A bfloat16 cache keeps its
+values as uint16 bit patterns (bit_moves.py), which XLA:CPU scatters in place.
 
 The cache is created under jit straight into the shardings the logical axis rules give
 `cache_batch`, `cache_length`, `cache_kv_heads` and `cache_head_dim`, like every other
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
-from gpt_oss_train.model import quantize
+from gpt_oss_train.model import bit_moves, quantize
 
 # Logical axes of each cache array (after the leading `layers` axis of the stack).
 KV_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
@@ -36,7 +37,7 @@ class KVCache(NamedTuple):
 
     def keys_values(self, dtype):
         if self.k_scale is None:
-            return self.k, self.v
+            return bit_moves.from_storage(self.k), bit_moves.from_storage(self.v)
         return (
             quantize.dequantize_kv(self.k, self.k_scale, dtype),
             quantize.dequantize_kv(self.v, self.v_scale, dtype),
@@ -55,7 +56,9 @@ def write(cache: KVCache, layer, k, v, positions) -> KVCache:
     slots = cache.pos.shape[2]
     slot = jnp.where(positions >= 0, positions % slots, slots)  # out of range -> dropped
     bidx = jnp.arange(k.shape[0])[:, None]
-    put = lambda buf, x: buf.at[layer, bidx, slot].set(x.astype(buf.dtype), mode="drop")
+    put = lambda buf, x: buf.at[layer, bidx, slot].set(
+        bit_moves.to_storage(x, buf.dtype), mode="drop"
+    )
     pos = cache.pos.at[layer, bidx, slot].set(positions.astype(jnp.int32), mode="drop")
     if cache.k_scale is None:
         return KVCache(put(cache.k, k), put(cache.v, v), pos)
@@ -83,7 +86,8 @@ def _empty(cfg, batch: int, slots: int, dtype, int8: bool) -> KVCache:
             jnp.zeros(scale, jnp.float32),
             jnp.zeros(scale, jnp.float32),
         )
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), pos)
+    store = bit_moves.storage_dtype(dtype)  # bfloat16 as uint16 bits: scattered in place
+    return KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store), pos)
 
 
 def shardings(cache: dict, mesh, rules) -> dict:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model import bit_moves
 from gpt_oss_train.model.lazy_weight import LazyWeight
 
 # The expert matrices (E x D x F each) and the attention projections, by module; biases
@@ -52,16 +53,16 @@ class LayerView(LazyWeight):
         return self.stack.dtype
 
     def take(self, index):
-        return self.stack[(self.layer, index)]
+        return bit_moves.take(self.stack, (self.layer, index))
 
     def astype(self, dtype):
-        return self.stack[self.layer].astype(dtype)
+        return bit_moves.take(self.stack, self.layer).astype(dtype)
 
 
 def whole(w):
     """A view's whole layer (kernels that take a layer's weights as one operand); any
     other weight as it is."""
-    return w.stack[w.layer] if isinstance(w, LayerView) else w
+    return bit_moves.take(w.stack, w.layer) if isinstance(w, LayerView) else w
 
 
 def applies(cache, num_blocks: int) -> bool:

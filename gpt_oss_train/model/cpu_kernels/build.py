@@ -23,12 +23,17 @@ import tempfile
 import threading
 
 import jax
+import jax.numpy as jnp
 
 from gpt_oss_train import runtime
 
 ENV = "GPT_OSS_TRAIN_CPU_KERNELS"  # "0" / "off": never build, use XLA's lowering
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
+# What the kernels read their weights and KV caches in, and the compute dtypes they stand
+# in for: bfloat16 is widened to float32 as it is read (stream_rows.h); the arithmetic and
+# the results are float32.
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def _cpu_id() -> str:

@@ -1,5 +1,6 @@
 // Attention of a decode step's few queries over one layer of the stacked KV cache, as one
-// XLA FFI custom call, reading the keys and values in place in their stored layout.
+// XLA FFI custom call, reading the keys and values in place in their stored layout
+// (float32 or bfloat16, widened as they are read; the arithmetic is float32).
 //
 // Why a kernel: XLA's attention over the cache (model/attention.py, xla_attention) makes
 // XLA:CPU copy the layer's keys and values out of the stack and transpose them to
@@ -30,30 +31,37 @@ struct Job {
   int b, s, n, kh, g, h, t;
   int64_t window;  // 0: none
   float scale;
-  const float *q, *k, *v, *sinks;
+  const float *q, *sinks;
+  gpt_oss_cpu::Weights k, v;  // the stacked keys and values, float32 or bfloat16
+  int64_t layer_offset;       // elements before the layer's
   const int32_t *q_pos, *k_pos;
   float* out;
   std::atomic<int> next{0}, done{0};
   int items() const { return b * kh; }
 };
 
-inline float dot(const float* a, const float* b, int n) {
+template <class T>
+inline float dot(const float* a, const T* b, int n) {
   using gpt_oss_cpu::load8;
+  using gpt_oss_cpu::widen;
   gpt_oss_cpu::v8f acc = {};
   int x = 0;
   for (; x + 8 <= n; x += 8) acc += load8(a + x) * load8(b + x);
   float sum = 0.0f;
   for (int i = 0; i < 8; ++i) sum += acc[i];
-  for (; x < n; ++x) sum += a[x] * b[x];
+  for (; x < n; ++x) sum += a[x] * widen(b[x]);
   return sum;
 }
 
 // One (batch row, KV head): its g query heads for each of the s queries. Each key and
-// value row is read once for all g heads.
+// value row is read once for all g heads. T: the cache's element type.
+template <class T>
 void attend(const Job& j, int row, int kvh) {
-  const int64_t kv_row = int64_t(j.kh) * j.h;  // floats from one slot to the next
-  const float* k0 = j.k + int64_t(row) * j.t * kv_row + int64_t(kvh) * j.h;
-  const float* v0 = j.v + int64_t(row) * j.t * kv_row + int64_t(kvh) * j.h;
+  using gpt_oss_cpu::widen;
+  const int64_t kv_row = int64_t(j.kh) * j.h;  // elements from one slot to the next
+  const int64_t at = j.layer_offset + int64_t(row) * j.t * kv_row + int64_t(kvh) * j.h;
+  const T* k0 = j.k.at<T>(at);
+  const T* v0 = j.v.at<T>(at);
   const int32_t* kp = j.k_pos + int64_t(row) * j.t;
   std::vector<float> weight(size_t(j.g) * j.t), denom(j.g), top(j.g), acc(size_t(j.g) * j.h);
   std::vector<char> seen(j.t);
@@ -75,12 +83,12 @@ void attend(const Job& j, int row, int kvh) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int t = 0; t < j.t; ++t) {
       if (!seen[t]) continue;
-      const float* vr = v0 + t * kv_row;
+      const T* vr = v0 + t * kv_row;
       for (int gi = 0; gi < j.g; ++gi) {
         const float w = std::exp(weight[size_t(gi) * j.t + t] - top[gi]);
         denom[gi] += w;
         float* a = acc.data() + size_t(gi) * j.h;
-        for (int x = 0; x < j.h; ++x) a[x] += w * vr[x];
+        for (int x = 0; x < j.h; ++x) a[x] += w * widen(vr[x]);
       }
     }
     float* o = j.out + ((int64_t(row) * j.s + qi) * j.n + int64_t(kvh) * j.g) * j.h;
@@ -91,13 +99,16 @@ void attend(const Job& j, int row, int kvh) {
 
 void work(Job& j) {
   for (int i; (i = j.next.fetch_add(1)) < j.items();) {
-    attend(j, i / j.kh, i % j.kh);
+    if (j.k.bf16)
+      attend<gpt_oss_cpu::bf16>(j, i / j.kh, i % j.kh);
+    else
+      attend<float>(j, i / j.kh, i % j.kh);
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
 
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                               ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> k_pos, ffi::Buffer<ffi::S32> q_pos,
                                ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> layer,
                                int64_t window, ffi::ResultBuffer<ffi::F32> out) {
@@ -120,8 +131,10 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   job->scale = 1.0f / std::sqrt(float(job->h));
   const int64_t layer_size = int64_t(job->b) * job->t * job->kh * job->h;
   job->q = q.typed_data();
-  job->k = k.typed_data() + l * layer_size;
-  job->v = v.typed_data() + l * layer_size;
+  if (!gpt_oss_cpu::as_weights(k, &job->k) || !gpt_oss_cpu::as_weights(v, &job->v) ||
+      job->k.bf16 != job->v.bf16)
+    return ffi::Error::InvalidArgument("decode_attention: k and v both float32 or bfloat16");
+  job->layer_offset = l * layer_size;
   job->k_pos = k_pos.typed_data() + int64_t(l) * job->b * job->t;
   job->q_pos = q_pos.typed_data();
   job->sinks = sinks.typed_data();
@@ -134,12 +147,12 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GptOssDecodeAttentionF32, DecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GptOssDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [b, s, n, h]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [L, b, t, kh, h]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [L, b, t, kh, h]
+                                  .Arg<ffi::AnyBuffer>()  // k [L, b, t, kh, h], F32 or BF16
+                                  .Arg<ffi::AnyBuffer>()  // v [L, b, t, kh, h], as k
                                   .Arg<ffi::Buffer<ffi::S32>>()  // k_pos [L, b, t]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_pos [b, s]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sinks [n]

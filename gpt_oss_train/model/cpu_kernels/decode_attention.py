@@ -9,25 +9,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model import bit_moves
 from gpt_oss_train.model.cpu_kernels import build
 
-TARGET = "gpt_oss_decode_attention_f32"
+TARGET = "gpt_oss_decode_attention"
 MAX_QUERIES = 16  # queries per row (a decode step has 1; a prefill chunk takes XLA's path)
 
 
 def available() -> bool:
-    return build.load("decode_attention.cc", ((TARGET, "GptOssDecodeAttentionF32"),))
+    return build.load("decode_attention.cc", ((TARGET, "GptOssDecodeAttention"),))
 
 
 def applies(q, cache) -> bool:
-    """CPU, one device, float32 queries and a float32 (not int8) cache, a few queries."""
+    """CPU, one device, float32 or bfloat16 queries and cache (not int8), a few queries."""
     ctx = sharding.active()
     return (
         q.shape[1] <= MAX_QUERIES
-        and q.dtype == jnp.float32
+        and q.dtype in build.DTYPES
         and cache.k_scale is None
         and isinstance(cache.k, jax.Array)
-        and cache.k.dtype == jnp.float32
+        and bit_moves.value_dtype(cache.k.dtype) in build.DTYPES
         and sharding.platform() == "cpu"
         and (ctx is None or ctx[0].size == 1)
         and available()
@@ -36,13 +37,13 @@ def applies(q, cache) -> bool:
 
 def decode_attention(q, cache, layer, sinks, q_pos, window: int | None):
     """q [b, s, n, h] over layer `layer` of the stacked cache (a KVCache of [L, b, t, ...]
-    arrays) -> [b, s, n, h] float32: attention.xla_attention with the visibility of
+    arrays) -> [b, s, n, h] in q's dtype: attention.xla_attention with the visibility of
     attention.visibility_mask (no segments), computed in place."""
     if not available():
         raise RuntimeError(f"the CPU kernel {TARGET} could not be built (see the log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(
-        q,
+    out = call(
+        q.astype(jnp.float32),
         cache.k,
         cache.v,
         cache.pos,
@@ -51,3 +52,4 @@ def decode_attention(q, cache, layer, sinks, q_pos, window: int | None):
         jnp.asarray(layer, jnp.int32),
         window=np.int64(window or 0),
     )
+    return out.astype(q.dtype)

@@ -1,4 +1,5 @@
-// Decode-time MoE layer on a CPU, as one XLA FFI custom call (float32).
+// Decode-time MoE layer on a CPU, as one XLA FFI custom call: float32 activations and
+// arithmetic, expert matrices of float32 or bfloat16 (widened as they are read).
 //
 // Why a kernel: XLA:CPU copies every expert matrix it slices out of the layer-stacked
 // weights before multiplying (a dynamic slice feeding a dot becomes its own buffer), and
@@ -56,7 +57,9 @@ struct Split {
 
 struct Problem {
   int tokens, k, pairs, d_model, d_ff;
-  const float *weights, *wg, *bg, *wu, *bu, *wo, *bo;
+  const float *weights, *bg, *bu, *bo;
+  gpt_oss_cpu::Weights wg, wu, wo;  // [L, E, ., .] stacks
+  int64_t layer_offset;             // elements before the layer's experts
   float limit, alpha;
   std::vector<int> used, first, count;  // per used expert: expert, first sorted pair, pairs
   std::vector<int> sorted_pair;         // pair (t * k + j) -> its place in expert order
@@ -79,9 +82,9 @@ void gate_up_part(Problem& p, int item) {  // phase 1
   std::vector<const float*> rows(n);
   for (int r = 0; r < n; ++r) rows[r] = p.x_rows[first + r] + d0;
   float* part = p.gate_up.get() + (size_t(b) * p.pairs + first) * ld;
-  matmul_rows(rows.data(), n, p.wg + e * matrix + d0 * p.d_ff, p.d_ff, d1 - d0, p.d_ff, part, ld);
-  matmul_rows(rows.data(), n, p.wu + e * matrix + d0 * p.d_ff, p.d_ff, d1 - d0, p.d_ff,
-              part + p.d_ff, ld);
+  const int64_t at = p.layer_offset + e * matrix + int64_t(d0) * p.d_ff;
+  matmul_rows(rows.data(), n, p.wg, at, p.d_ff, d1 - d0, p.d_ff, part, ld);
+  matmul_rows(rows.data(), n, p.wu, at, p.d_ff, d1 - d0, p.d_ff, part + p.d_ff, ld);
 }
 
 void activation(Problem& p, int u) {  // phase 2
@@ -111,8 +114,8 @@ void down_part(Problem& p, int item) {  // phase 3
   std::vector<const float*> rows(n);
   for (int r = 0; r < n; ++r) rows[r] = p.act_rows[first + r] + f0;
   float* part = p.y.get() + (size_t(b) * p.pairs + first) * p.d_model;
-  matmul_rows(rows.data(), n, p.wo + e * matrix + int64_t(f0) * p.d_model, p.d_model, f1 - f0,
-              p.d_model, part, p.d_model);
+  matmul_rows(rows.data(), n, p.wo, p.layer_offset + e * matrix + int64_t(f0) * p.d_model,
+              p.d_model, f1 - f0, p.d_model, part, p.d_model);
 }
 
 void combine(Problem& p, int t) {  // phase 4
@@ -158,9 +161,9 @@ void work(Problem& p, Phases& s) {
 
 ffi::Error MoeDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> experts,
-                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> wg,
-                         ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> wu,
-                         ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::F32> wo,
+                         ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer wg,
+                         ffi::Buffer<ffi::F32> bg, ffi::AnyBuffer wu,
+                         ffi::Buffer<ffi::F32> bu, ffi::AnyBuffer wo,
                          ffi::Buffer<ffi::F32> bo, ffi::ResultBuffer<ffi::F32> out, float limit,
                          float alpha) {
   const auto xd = x.dimensions(), ed = experts.dimensions(), gd = wg.dimensions();
@@ -177,9 +180,10 @@ ffi::Error MoeDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("moe_decode: layer out of range");
   const int64_t layer_size = int64_t(num_experts) * p->d_model * p->d_ff;
   p->weights = weights.typed_data();
-  p->wg = wg.typed_data() + l * layer_size;
-  p->wu = wu.typed_data() + l * layer_size;
-  p->wo = wo.typed_data() + l * layer_size;
+  if (!gpt_oss_cpu::as_weights(wg, &p->wg) || !gpt_oss_cpu::as_weights(wu, &p->wu) ||
+      !gpt_oss_cpu::as_weights(wo, &p->wo))
+    return ffi::Error::InvalidArgument("moe_decode: expert stacks must be float32 or bfloat16");
+  p->layer_offset = l * layer_size;
   p->bg = bg.typed_data();
   p->bu = bu.typed_data();
   p->bo = bo.typed_data();
@@ -233,18 +237,18 @@ ffi::Error MoeDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GptOssMoeDecodeF32, MoeDecodeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GptOssMoeDecode, MoeDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [T, k]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // experts [T, k]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // Wg [L, E, D, F]
+                                  .Arg<ffi::AnyBuffer>()  // Wg [L, E, D, F], F32 or BF16
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bg [E, F]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // Wu [L, E, D, F]
+                                  .Arg<ffi::AnyBuffer>()  // Wu [L, E, D, F], as Wg
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bu [E, F]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // Wo [L, E, F, D]
+                                  .Arg<ffi::AnyBuffer>()  // Wo [L, E, F, D], as Wg
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bo [E, D]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, D]
                                   .Attr<float>("limit")

@@ -2,7 +2,7 @@
 matrices read once, in place, from the layer-stacked weights, on all cores.
 
 It takes over from `moe.pairwise_ffn` and the tiled grouped matmul where XLA's lowering
-is slowest: float32 streamed weights (model/streamed_weights.py: CPU inference on one
+is slowest: float32 or bfloat16 streamed weights (model/streamed_weights.py: CPU inference on one
 device), no LoRA, up to MAX_PAIRS (token, choice) pairs; figures in docs/PERFORMANCE.md.
 """
 
@@ -16,25 +16,26 @@ from gpt_oss_train import sharding
 from gpt_oss_train.model import streamed_weights
 from gpt_oss_train.model.cpu_kernels import build
 
-TARGET = "gpt_oss_moe_decode_f32"
+TARGET = "gpt_oss_moe_decode"
 # Past this many (token, choice) pairs (about 8 rows per expert at 32 experts) the tiled
 # grouped matmul's XLA dots are as fast (tools/moe_benchmark.py --mode=decode).
 MAX_PAIRS = 128
 
 
 def available() -> bool:
-    return build.load("moe_decode.cc", ((TARGET, "GptOssMoeDecodeF32"),))
+    return build.load("moe_decode.cc", ((TARGET, "GptOssMoeDecode"),))
 
 
 def applies(tokens: int, k: int, w, dtype) -> bool:
-    """Whether `moe_decode` can run this layer: CPU, float32, streamed plain arrays."""
+    """Whether `moe_decode` can run this layer: CPU, float32 or bfloat16 compute, streamed
+    plain arrays of either."""
     views = [getattr(w, n) for n in streamed_weights.EXPERTS]
     return (
         tokens * k <= MAX_PAIRS
         and w.lora is None
-        and jnp.dtype(dtype) == jnp.float32
+        and jnp.dtype(dtype) in build.DTYPES
         and all(isinstance(v, streamed_weights.LayerView) for v in views)
-        and all(isinstance(v.stack, jax.Array) and v.stack.dtype == jnp.float32 for v in views)
+        and all(isinstance(v.stack, jax.Array) and v.stack.dtype in build.DTYPES for v in views)
         and sharding.platform() == "cpu"
         and available()
     )

@@ -1,5 +1,5 @@
-// A few rows times one layer of a layer-stacked float32 matrix, x [M, K] @ w[layer] with
-// w [L, K, N] -> [M, N], as one XLA FFI custom call: a decode step's attention projections
+// A few rows times one layer of a layer-stacked float32 or bfloat16 matrix,
+// x [M, K] @ w[layer] with w [L, K, N] -> float32 [M, N], as one XLA FFI custom call: a decode step's attention projections
 // (read in place from the stacked parameters, like the experts) and its unembedding (L = 1).
 //
 // Why a kernel: XLA:CPU's dot at 2-16 rows reads a large matrix at a fraction of the
@@ -26,7 +26,8 @@ namespace {
 struct Job {
   int m, k, n;
   int col_block, col_blocks, depth_block, depth_blocks;
-  const float* w;
+  gpt_oss_cpu::Weights w;
+  int64_t w_offset;  // elements before the layer's matrix
   float* out;
   std::unique_ptr<float[]> partial;  // [depth_blocks][m][n], where depth_blocks > 1
   std::vector<const float*> rows;
@@ -54,14 +55,14 @@ void work(Job& j) {
     std::vector<const float*> rows(j.m);
     for (int r = 0; r < j.m; ++r) rows[r] = j.rows[r] + d0;
     float* out = j.depth_blocks > 1 ? j.partial.get() + size_t(db) * j.m * j.n : j.out;
-    gpt_oss_cpu::matmul_rows(rows.data(), j.m, j.w + int64_t(d0) * j.n + c0, j.n, d1 - d0, cols,
-                             out + c0, j.n);
+    gpt_oss_cpu::matmul_rows(rows.data(), j.m, j.w, j.w_offset + int64_t(d0) * j.n + c0, j.n,
+                             d1 - d0, cols, out + c0, j.n);
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
 
 ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                          ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                          ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1])
@@ -72,7 +73,9 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->m = int(xd[0]);
   job->k = int(xd[1]);
   job->n = int(wd[2]);
-  job->w = w.typed_data() + int64_t(l) * job->k * job->n;
+  if (!gpt_oss_cpu::as_weights(w, &job->w))
+    return ffi::Error::InvalidArgument("rows_matmul: w must be float32 or bfloat16");
+  job->w_offset = int64_t(l) * job->k * job->n;
   job->out = out->typed_data();
   plan(*job, std::max(1, int(pool.num_threads())));
   const size_t size = size_t(job->m) * job->n;
@@ -92,10 +95,10 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GptOssRowsMatmulF32, RowsMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GptOssRowsMatmul, RowsMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, K, N]
+                                  .Arg<ffi::AnyBuffer>()  // w [L, K, N], F32 or BF16
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]

@@ -23,7 +23,8 @@ from absl import logging
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
-# Smaller arrays hold less than one aligned huge page in most placements: not worth a call.
+# Smaller arrays span few pages, and most sit in glibc's per-thread heaps, which the
+# kernel refuses to collapse: not worth a call.
 MIN_BYTES = 4 * HUGE_PAGE
 
 

@@ -40,7 +40,10 @@ _TOKENS = flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16"], "decode: token
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls per case (best is kept).")
 _CLOCK = flags.DEFINE_enum("clock", "wall", ["wall", "cpu"], "What a time is (see best_times).")
 _DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16"], "kernels: x and w dtype (the compute dtype)."
+    "dtype",
+    "float32",
+    ["float32", "bfloat16"],
+    "kernels, decode: x and w dtype (the compute dtype; decode: also the stacked weights).",
 )
 
 
@@ -170,18 +173,20 @@ def bench_decode(experts: int) -> list[dict]:
     grouped matmul, pairs one at a time, and the CPU kernel (where it builds). The same
     routing is timed again and again, so the chosen experts may sit in the CPU's last-level
     cache at small batches (4 experts of 768 x 768 fit a 32 MB L3), which a model's layers
-    never do."""
+    never do. Compiled as inference compiles (runtime.inference_compiler_options)."""
     import jax
 
+    from gpt_oss_train import runtime
     from gpt_oss_train.model import moe, streamed_weights
     from gpt_oss_train.model.cpu_kernels import moe_decode
 
-    d, f = _HIDDEN.value, _EXPERT_HIDDEN.value
+    d, f, dtype = _HIDDEN.value, _EXPERT_HIDDEN.value, jax.numpy.dtype(_DTYPE.value)
     w = expert_weights(experts, d, f)
     layer = jax.numpy.int32(1)
-    view = lambda a: streamed_weights.LayerView(jax.numpy.stack([a, a]), layer)
+    view = lambda a: streamed_weights.LayerView(jax.numpy.stack([a, a]).astype(dtype), layer)
     w = w._replace(**{n: view(getattr(w, n)) for n in streamed_weights.EXPERTS})
-    common = dict(limit=7.0, alpha=1.702, dtype=jax.numpy.float32)
+    common = dict(limit=7.0, alpha=1.702, dtype=dtype)
+    options = runtime.inference_compiler_options()
     paths = {"gathered": moe.gathered_ffn, "grouped": moe.grouped_experts,
              "pairwise": moe.pairwise_ffn}  # fmt: skip
     if jax.default_backend() == "cpu" and moe_decode.available():
@@ -191,11 +196,11 @@ def bench_decode(experts: int) -> list[dict]:
     out = []
     for t in (int(v) for v in _TOKENS.value):
         weights, idx = routing(t, experts)
-        x = jax.random.normal(jax.random.key(3), (t, d))
-        calls = {
-            name: (jax.jit(lambda x, w, fn=fn: fn(x, weights, idx, w, **common)), (x, w))
-            for name, fn in paths.items()
-        }
+        x = jax.random.normal(jax.random.key(3), (t, d)).astype(dtype)
+        run = lambda fn: jax.jit(
+            lambda x, w: fn(x, weights, idx, w, **common), compiler_options=options
+        )
+        calls = {name: (run(fn), (x, w)) for name, fn in paths.items()}
         best = best_times(calls)
         out.append(dict(experts=experts, tokens=t, **{f"{n}_ms": best[n] * 1e3 for n in paths}))
     return out
@@ -211,7 +216,7 @@ def main(argv):
     for e in (int(v) for v in _EXPERTS.value):
         for r in bench(e):
             r = {"mode": _MODE.value, "clock": _CLOCK.value, "rows": _ROWS.value, **r}
-            if _MODE.value == "kernels":
+            if _MODE.value in ("kernels", "decode"):
                 r["dtype"] = _DTYPE.value
             r["hidden"] = _HIDDEN.value
             r["expert_hidden"] = _EXPERT_HIDDEN.value

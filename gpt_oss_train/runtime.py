@@ -2,7 +2,8 @@
 
 fast_bfloat16(platform)   does the hardware multiply bfloat16 natively?
 resolve_dtype(name)       config.dtype "auto" -> "bfloat16" or "float32" for this machine
-inference_compiler_options()  XLA options of the jitted prefill and decode functions
+inference_compiler_options()
+                          XLA options of inference's jitted prefill and decode functions
 setup_compilation_cache() JAX's persistent compilation cache, on by default, so a
                           second run of the same command skips compiling
 """

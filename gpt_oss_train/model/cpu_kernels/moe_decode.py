@@ -2,8 +2,9 @@
 matrices read once, in place, from the layer-stacked weights, on all cores.
 
 It takes over from `moe.pairwise_ffn` and the tiled grouped matmul where XLA's lowering
-is slowest: float32 or bfloat16 streamed weights (model/streamed_weights.py: CPU inference on one
-device), no LoRA, up to MAX_PAIRS (token, choice) pairs; figures in docs/PERFORMANCE.md.
+is slowest: float32 or bfloat16 streamed weights (model/streamed_weights.py: CPU
+inference on one device), no LoRA, up to MAX_PAIRS (token, choice) pairs; figures in
+docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A few rows times a large float32 or bfloat16 matrix as one CPU custom call
-(rows_matmul.cc), with float32 results: a
-decode step's unembedding and attention projections, where XLA:CPU's dot at 2-16 rows
-reads the matrix at a fraction of the memory bandwidth. The matrix may be a layer of a
-stacked parameter (a `LayerView`, model/streamed_weights.py), read in place. For plain
-arrays it is differentiable (the backward is XLA's)."""
+(rows_matmul.cc), with float32 results: a decode step's unembedding and attention
+projections, where XLA:CPU's dot at 2-16 rows reads the matrix at a fraction of the
+memory bandwidth. The matrix may be a layer of a stacked parameter (a `LayerView`,
+model/streamed_weights.py), read in place. For plain arrays it is differentiable (the
+backward is XLA's)."""
 
 from __future__ import annotations
 

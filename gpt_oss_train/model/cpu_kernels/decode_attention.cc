@@ -32,8 +32,7 @@ struct Job {
   int64_t window;  // 0: none
   float scale;
   const float *q, *sinks;
-  gpt_oss_cpu::Weights k, v;  // the stacked keys and values, float32 or bfloat16
-  int64_t layer_offset;       // elements before the layer's
+  gpt_oss_cpu::Weights k, v;  // the layer's keys and values, float32 or bfloat16
   const int32_t *q_pos, *k_pos;
   float* out;
   std::atomic<int> next{0}, done{0};
@@ -71,7 +70,7 @@ template <class T>
 void attend(const Job& j, int row, int kvh) {
   using gpt_oss_cpu::widen;
   const int64_t kv_row = int64_t(j.kh) * j.h;  // elements from one slot to the next
-  const int64_t at = j.layer_offset + int64_t(row) * j.t * kv_row + int64_t(kvh) * j.h;
+  const int64_t at = int64_t(row) * j.t * kv_row + int64_t(kvh) * j.h;
   const T* k0 = j.k.at<T>(at);
   const T* v0 = j.v.at<T>(at);
   const int32_t* kp = j.k_pos + int64_t(row) * j.t;
@@ -148,7 +147,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (!gpt_oss_cpu::as_weights(k, &job->k) || !gpt_oss_cpu::as_weights(v, &job->v) ||
       job->k.bf16 != job->v.bf16)
     return ffi::Error::InvalidArgument("decode_attention: k and v both float32 or bfloat16");
-  job->layer_offset = l * layer_size;
+  job->k = job->k.from(l * layer_size);
+  job->v = job->v.from(l * layer_size);
   job->k_pos = k_pos.typed_data() + int64_t(l) * job->b * job->t;
   job->q_pos = q_pos.typed_data();
   job->sinks = sinks.typed_data();

@@ -58,8 +58,7 @@ struct Split {
 struct Problem {
   int tokens, k, pairs, d_model, d_ff;
   const float *weights, *bg, *bu, *bo;
-  gpt_oss_cpu::Weights wg, wu, wo;  // [L, E, ., .] stacks
-  int64_t layer_offset;             // elements before the layer's experts
+  gpt_oss_cpu::Weights wg, wu, wo;  // the layer's [E, ., .] experts
   float limit, alpha;
   std::vector<int> used, first, count;  // per used expert: expert, first sorted pair, pairs
   std::vector<int> sorted_pair;         // pair (t * k + j) -> its place in expert order
@@ -82,7 +81,7 @@ void gate_up_part(Problem& p, int item) {  // phase 1
   std::vector<const float*> rows(n);
   for (int r = 0; r < n; ++r) rows[r] = p.x_rows[first + r] + d0;
   float* part = p.gate_up.get() + (size_t(b) * p.pairs + first) * ld;
-  const int64_t at = p.layer_offset + e * matrix + int64_t(d0) * p.d_ff;
+  const int64_t at = e * matrix + int64_t(d0) * p.d_ff;
   matmul_rows(rows.data(), n, p.wg, at, p.d_ff, d1 - d0, p.d_ff, part, ld);
   matmul_rows(rows.data(), n, p.wu, at, p.d_ff, d1 - d0, p.d_ff, part + p.d_ff, ld);
 }
@@ -114,7 +113,7 @@ void down_part(Problem& p, int item) {  // phase 3
   std::vector<const float*> rows(n);
   for (int r = 0; r < n; ++r) rows[r] = p.act_rows[first + r] + f0;
   float* part = p.y.get() + (size_t(b) * p.pairs + first) * p.d_model;
-  matmul_rows(rows.data(), n, p.wo, p.layer_offset + e * matrix + int64_t(f0) * p.d_model,
+  matmul_rows(rows.data(), n, p.wo, e * matrix + int64_t(f0) * p.d_model,
               p.d_model, f1 - f0, p.d_model, part, p.d_model);
 }
 
@@ -183,7 +182,9 @@ ffi::Error MoeDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (!gpt_oss_cpu::as_weights(wg, &p->wg) || !gpt_oss_cpu::as_weights(wu, &p->wu) ||
       !gpt_oss_cpu::as_weights(wo, &p->wo))
     return ffi::Error::InvalidArgument("moe_decode: expert stacks must be float32 or bfloat16");
-  p->layer_offset = l * layer_size;
+  p->wg = p->wg.from(l * layer_size);
+  p->wu = p->wu.from(l * layer_size);
+  p->wo = p->wo.from(l * layer_size);
   p->bg = bg.typed_data();
   p->bu = bu.typed_data();
   p->bo = bo.typed_data();

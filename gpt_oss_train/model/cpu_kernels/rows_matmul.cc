@@ -1,6 +1,7 @@
 // A few rows times one layer of a layer-stacked float32 or bfloat16 matrix,
-// x [M, K] @ w[layer] with w [L, K, N] -> float32 [M, N], as one XLA FFI custom call: a decode step's attention projections
-// (read in place from the stacked parameters, like the experts) and its unembedding (L = 1).
+// x [M, K] @ w[layer] with w [L, K, N] -> float32 [M, N], as one XLA FFI custom call: a
+// decode step's attention projections (read in place from the stacked parameters, like
+// the experts) and its unembedding (L = 1).
 //
 // Why a kernel: XLA:CPU's dot at 2-16 rows reads a large matrix at a fraction of the
 // memory bandwidth (a [16, 768] x [768, 32768] product 6x slower than its bytes allow,
@@ -26,8 +27,7 @@ namespace {
 struct Job {
   int m, k, n;
   int col_block, col_blocks, depth_block, depth_blocks;
-  gpt_oss_cpu::Weights w;
-  int64_t w_offset;  // elements before the layer's matrix
+  gpt_oss_cpu::Weights w;  // the layer's matrix
   float* out;
   std::unique_ptr<float[]> partial;  // [depth_blocks][m][n], where depth_blocks > 1
   std::vector<const float*> rows;
@@ -55,7 +55,7 @@ void work(Job& j) {
     std::vector<const float*> rows(j.m);
     for (int r = 0; r < j.m; ++r) rows[r] = j.rows[r] + d0;
     float* out = j.depth_blocks > 1 ? j.partial.get() + size_t(db) * j.m * j.n : j.out;
-    gpt_oss_cpu::matmul_rows(rows.data(), j.m, j.w, j.w_offset + int64_t(d0) * j.n + c0, j.n,
+    gpt_oss_cpu::matmul_rows(rows.data(), j.m, j.w, int64_t(d0) * j.n + c0, j.n,
                              d1 - d0, cols, out + c0, j.n);
     j.done.fetch_add(1, std::memory_order_release);
   }
@@ -75,7 +75,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->n = int(wd[2]);
   if (!gpt_oss_cpu::as_weights(w, &job->w))
     return ffi::Error::InvalidArgument("rows_matmul: w must be float32 or bfloat16");
-  job->w_offset = int64_t(l) * job->k * job->n;
+  job->w = job->w.from(int64_t(l) * job->k * job->n);
   job->out = out->typed_data();
   plan(*job, std::max(1, int(pool.num_threads())));
   const size_t size = size_t(job->m) * job->n;

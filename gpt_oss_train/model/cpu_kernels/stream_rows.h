@@ -24,7 +24,7 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
 constexpr int kRowBlock = 4;   // rows sharing one pass over the weights
-constexpr int kDepthStep = 8; // weight rows swept together (even)
+constexpr int kDepthStep = 8;  // weight rows swept together (even)
 
 inline v8f load8(const float* p) {
   v8f v;
@@ -68,6 +68,10 @@ struct Weights {
   template <class T>
   const T* at(int64_t offset) const {
     return static_cast<const T*>(data) + offset;
+  }
+  // The same buffer from element `offset` on (a layer of a stack).
+  Weights from(int64_t offset) const {
+    return {bf16 ? static_cast<const void*>(at<uint16_t>(offset)) : at<float>(offset), bf16};
   }
 };
 

@@ -315,7 +315,7 @@ def _benchmark(load, f, opts) -> int:
 
 
 def main(argv):
-    runtime.setup_compilation_cache()
+    runtime.setup_process()
     return errors.run_command(lambda: _run(flags.FLAGS), argv)
 
 

@@ -23,7 +23,7 @@ import os
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors
+from gpt_oss_train import errors, runtime
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.loading import DecodeError
 
@@ -170,6 +170,7 @@ def _run(f) -> int:
 
 
 def main(argv):
+    runtime.setup_process()
     return errors.run_command(lambda: _run(flags.FLAGS), argv)
 
 

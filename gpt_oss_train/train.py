@@ -394,7 +394,7 @@ def train(config, workdir: str, devices=None) -> dict:
 def main(argv):
     del argv
     logs.quiet_library_logs()
-    runtime.setup_compilation_cache()
+    runtime.setup_process()
     initialize_distributed()
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required: where checkpoints and metrics go")

@@ -1,6 +1,7 @@
 """runtime.py: the per-machine dtype choice and the compilation cache's folder."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -79,3 +80,36 @@ def test_compiled_programs_land_in_the_cache(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == str(cache)
     assert any(cache.iterdir())
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+def test_large_freed_buffers_stay_in_the_heap_for_reuse():
+    """glibc's own accounting (mallinfo2): by default a 100 MB buffer is a fresh mapping,
+    unmapped when freed (faulted in and zeroed again on the next step); after
+    reuse_freed_memory it comes from the heap and its pages stay there once freed."""
+    code = (
+        "import ctypes, sys\n"
+        "import numpy as np\n"
+        "from gpt_oss_train import runtime\n"
+        "if sys.argv[1] == 'on':\n"
+        "    assert runtime.reuse_freed_memory()\n"
+        "class Info(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd '\n"
+        "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.mallinfo2.restype = Info\n"
+        "a = np.ones(100 << 20, np.uint8)\n"
+        "mapped = libc.mallinfo2().hblkhd\n"
+        "del a\n"
+        "print(mapped >> 20, libc.mallinfo2().fordblks >> 20)\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    mib = {}
+    for mode in ("off", "on"):
+        r = subprocess.run(
+            [sys.executable, "-c", code, mode], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        mib[mode] = [int(v) for v in r.stdout.split()[-2:]]  # (mapped, free in heap) MiB
+    assert mib["off"][0] >= 100 and mib["off"][1] < 100, mib
+    assert mib["on"][0] < 100 <= mib["on"][1], mib

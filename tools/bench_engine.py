@@ -192,11 +192,12 @@ def main(argv):
     import jax
     from absl import logging
 
+    from gpt_oss_train import runtime
     from gpt_oss_train.inference import loading
-    from gpt_oss_train.inference.engine import Engine, enable_compilation_cache
+    from gpt_oss_train.inference.engine import Engine
 
     logging.set_verbosity(logging.INFO)
-    enable_compilation_cache()
+    runtime.setup_process()
     model = loading.random_model(_CONFIG.value, devices=jax.devices()[:1])
     engine = Engine.from_model(
         model,

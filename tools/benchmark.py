@@ -399,7 +399,7 @@ def main(argv):
     del argv
     from gpt_oss_train import runtime
 
-    runtime.setup_compilation_cache()
+    runtime.setup_process()
     config = _CONFIG.value
     if _SAVE_HF.value and _INT8.value:
         raise app.UsageError("--save_hf writes the float weights; it cannot follow --int8_weights")

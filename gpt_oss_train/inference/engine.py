@@ -38,6 +38,7 @@ from typing import Sequence
 import jax
 from absl import logging
 
+from gpt_oss_train import runtime
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.engine_loop import EngineLoop
 from gpt_oss_train.inference.engine_steps import EngineSteps
@@ -62,21 +63,6 @@ __all__ = [
 ]
 
 PREFIX_BLOCK = 16  # tokens per prefix-cache block; prefill chunks are multiples of it
-
-
-def enable_compilation_cache() -> str | None:
-    """JAX's persistent compilation cache, so a restarted server skips compiling.
-    TODO: use gpt_oss_train.runtime.setup_compilation_cache once branch `moe` is merged."""
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    path = os.path.join(base, "gpt_oss_train", "jax")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return None
-    jax.config.update("jax_compilation_cache_dir", path)
-    return path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +177,7 @@ class Engine:
         kind = loading.checkpoint_kind(path)
         opts.check(loading.read_architecture(path, kind)["max_position_embeddings"])
         if compilation_cache:
-            enable_compilation_cache()
+            runtime.setup_compilation_cache()
         model = loading.load_model(
             path,
             config,

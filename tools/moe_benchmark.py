@@ -138,6 +138,10 @@ def bench_kernels(experts: int) -> list[dict]:
     for tiles in sorted({default, *others}, reverse=True):
         name = f"tiled {tiles.big}:{tiles.small}" + (" (default)" if tiles == default else "")
         cases[name] = lambda x, w, t=tiles: gm.tiled_grouped_matmul(x, w, group_sizes, t)
+    if gm.kernel_for(x, w) == "cpu_bf16":
+        cases["cpu_bf16 (AVX512-BF16 kernels)"] = lambda x, w: gm.grouped_matmul(
+            x, w, group_sizes, "cpu_bf16"
+        )
     return _time_fwd_and_vjp(cases, x, w, experts)
 
 
@@ -210,7 +214,7 @@ def main(argv):
     del argv
     from gpt_oss_train import runtime
 
-    runtime.setup_compilation_cache()
+    runtime.setup_process()
     bench = {"kernels": bench_kernels, "layer": bench_layer, "decode": bench_decode}[_MODE.value]
     rows = []
     for e in (int(v) for v in _EXPERTS.value):

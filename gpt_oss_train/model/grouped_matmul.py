@@ -7,6 +7,9 @@ group_sizes[1] rows w[1], ...; rows past sum(group_sizes) come out as zeros.
 
 Kernels (`kernel_for` picks one from the platform being compiled for):
   mosaic      JAX's Mosaic GPU ragged-dot kernels (Hopper, bf16, tile-divisible shapes).
+  cpu_bf16    CPU custom calls with bfloat16 dot-product instructions, forward and
+              backward (AVX512-BF16, bf16 rows, one device; cpu_kernels/grouped_matmul.py),
+              reading each group's matrix in place.
   ragged_dot  `jax.lax.ragged_dot`: TPUs lower it natively. XLA's CPU and GPU lowerings
               multiply every row by every group's weights (G times the FLOPs: 35x slower
               than the useful work at 32 experts on a CPU).
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
 
 # ----------------------------------------------------------------------------- tiled
 #
@@ -267,10 +271,12 @@ _mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
 def kernel_for(x, w) -> str:
-    """'mosaic', 'ragged_dot' or 'tiled' for these operands on the platform being
+    """'mosaic', 'cpu_bf16', 'ragged_dot' or 'tiled' for these operands on the platform being
     compiled for (the active mesh's devices, so AOT compiles for a TPU choose TPU's)."""
     if use_mosaic(x, w):
         return "mosaic"
+    if cpu_grouped_matmul.applies(x, w):
+        return "cpu_bf16"
     return "ragged_dot" if sharding.platform() == "tpu" else "tiled"
 
 
@@ -279,6 +285,8 @@ def grouped_matmul(x, w, group_sizes, kernel: str | None = None):
     `w` may be an int8 QArray (dequantized per group by the tiled kernel, whole
     otherwise). `kernel`: force one of kernel_for's answers (benchmarks, tests)."""
     kernel = kernel or kernel_for(x, w)
+    if kernel == "cpu_bf16":
+        return cpu_grouped_matmul.grouped_matmul(x, w, group_sizes)
     if kernel == "tiled":
         return tiled_grouped_matmul(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
     w = w.astype(x.dtype)

@@ -1,0 +1,103 @@
+"""The AVX512-BF16 grouped matmul kernels (model/cpu_kernels/grouped_matmul.cc) against
+numpy in float64: the forward, the transposed product the backward's dx uses and the
+per-group weight gradient, on groupings that reach every branch of their bookkeeping
+(empty groups first, in the middle and last; one group holding every row; odd group
+sizes, whose last row pairs with zeros; fewer rows in groups than in the array), sides
+that are not multiples of a vector or a panel, float32 and bfloat16 matrices, and a layer
+read in place from a stack. The reference takes the bfloat16-rounded operands the kernel
+multiplies, so only float32 accumulation separates them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import sharding
+from gpt_oss_train.model import grouped_matmul as gm
+from gpt_oss_train.model import streamed_weights
+from gpt_oss_train.model.cpu_kernels import grouped_matmul as kernel
+
+pytestmark = pytest.mark.skipif(
+    not kernel.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler"
+)
+
+# (group sizes, rows, K, N)
+CASES = [
+    ([0, 17, 3, 0, 20, 0], 40, 8, 6),
+    ([40, 0, 0], 40, 32, 48),
+    ([1, 1, 1, 1, 1, 35], 45, 70, 130),  # 5 rows past the groups
+    ([5, 0, 9, 0, 0, 0], 40, 16, 18),
+    ([0, 0, 0], 12, 4, 4),
+    ([100, 157, 3], 260, 96, 200),  # several panels and register blocks per group
+]
+
+
+def _bf16(a):
+    """a rounded to bfloat16, in float64."""
+    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _reference(x, w, sizes, dy):
+    """y = x @ w[g], dx = dy @ w[g]^T and dW[g] = x_g^T dy_g per group, float64."""
+    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+    start = 0
+    for g, n in enumerate(sizes):
+        rows = slice(start, start + n)
+        y[rows], dx[rows], dw[g] = x[rows] @ w[g], dy[rows] @ w[g].T, x[rows].T @ dy[rows]
+        start += n
+    return y, dx, dw
+
+
+def _close(got, want):
+    got = np.asarray(got, np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(np.abs(want).max(), 1))
+
+
+@pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sizes,rows,k,n", CASES)
+def test_products_equal_float64(sizes, rows, k, n, wdtype):
+    rng = np.random.RandomState(rows + k + n)
+    x, w, dy = rng.randn(rows, k), rng.randn(len(sizes), k, n), rng.randn(rows, n)
+    xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
+    wj, gs = jnp.asarray(w, wdtype), jnp.array(sizes, jnp.int32)
+    y, dx, dw = _reference(_bf16(x), _bf16(w), sizes, _bf16(dy))  # f32 w: rounded as read
+    _close(kernel._product(xb, wj[None], 0, gs, transpose=False), y)
+    _close(kernel._product(dyb, wj[None], 0, gs, transpose=True), dx)
+    grad = jax.ffi.ffi_call(kernel.WEIGHT_GRAD_TARGET, jax.ShapeDtypeStruct(w.shape, jnp.float32))
+    _close(grad(xb, dyb, gs), dw)
+
+
+def test_a_layer_of_a_stack_is_read_in_place():
+    rng = np.random.RandomState(0)
+    sizes, x = [3, 0, 6, 1], rng.randn(12, 24)
+    stack = rng.randn(3, len(sizes), 24, 40)
+    view = streamed_weights.LayerView(jnp.asarray(stack, jnp.bfloat16), jnp.asarray(2, jnp.int32))
+    got = jax.jit(kernel.grouped_matmul)(jnp.asarray(x, jnp.bfloat16), view, jnp.array(sizes))
+    want, _, _ = _reference(_bf16(x), _bf16(stack[2]), sizes, np.zeros((12, 40)))
+    _close(got, want)
+
+
+def test_training_takes_the_kernels_and_their_gradients_match():
+    """bfloat16 rows take the kernels (float32 master weights too), forward and backward;
+    dx comes back in x's dtype and dW in w's, as the tiled kernel returns them."""
+    rng = np.random.RandomState(1)
+    sizes, x, w, dy = [0, 17, 3, 0, 20, 0], rng.randn(40, 8), rng.randn(6, 8, 6), rng.randn(40, 6)
+    xb, wj, gs = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.float32), jnp.array(sizes)
+    assert gm.kernel_for(xb, wj) == "cpu_bf16"
+    assert gm.kernel_for(xb.astype(jnp.float32), wj) == "tiled"
+    f = lambda x, w: gm.grouped_matmul(x, w, gs)
+    y, vjp = jax.vjp(f, xb, wj)
+    dx, dw = vjp(jnp.asarray(dy, jnp.float32))
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
+    want = _reference(_bf16(x), _bf16(w), sizes, _bf16(dy))
+    _close(y, want[0])
+    np.testing.assert_allclose(np.asarray(dx, np.float64), want[1], rtol=1e-2, atol=1e-2)
+    _close(dw, want[2])
+
+
+def test_a_mesh_of_several_devices_keeps_the_tiled_kernel():
+    x, w = jnp.ones((6, 8), jnp.bfloat16), jnp.ones((3, 8, 4), jnp.bfloat16)
+    mesh = sharding.make_mesh(dict(data=1, fsdp=4, tensor=1, expert=2))
+    with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
+        assert gm.kernel_for(x, w) == "tiled"

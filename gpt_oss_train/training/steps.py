@@ -87,11 +87,13 @@ def make_loss_fn(model_def: ModelDef, t):
     return loss_fn
 
 
-def update_if_finite(finite, new, old):
-    """`new` if `finite` else `old`, leaf by leaf: a step whose loss or gradient norm is
-    not finite leaves the parameters and optimizer state exactly as they were (the select
-    fuses into the update; the step counter and the data still advance)."""
-    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+def update_if_finite(finite, update, old):
+    """update() if `finite` else `old`: a step whose loss or gradient norm is not finite
+    leaves the parameters and optimizer state exactly as they were (the step counter and
+    the data still advance). A branch, not a select of both results: XLA:CPU did not fuse
+    a select into the optimizer's update, so it cost one more pass over the parameters and
+    both moments every step (docs/PERFORMANCE.md)."""
+    return jax.lax.cond(finite, lambda _: update(), lambda _: old, None)
 
 
 def make_train_step(model_def: ModelDef, tx, schedule, t):
@@ -118,21 +120,24 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
             zero_stats = {k_: jnp.zeros((), jnp.float32) for k_ in ("nll", "z", "aux", "tokens")}
             (grads, stats), _ = jax.lax.scan(one, (zeros, zero_stats), micro)
         n = jnp.maximum(stats["tokens"], 1.0)
-        grads = jax.tree.map(lambda g: g / n, grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
+
+        def update():
+            # Per-token means, divided inside the branch as the update fused them before
+            # it was a branch: its rounding, and so a run's losses, stay bit for bit.
+            mean = jax.tree.map(lambda g: g / n, grads)
+            updates, opt_state = tx.update(mean, state["opt_state"], params)
+            return optax.apply_updates(params, updates), opt_state
+
         metrics = {
             "loss": stats["nll"] / n,
             "aux_loss": stats["aux"] / n,
             "z_loss": stats["z"] / n,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": optax.tree.norm(grads) / n,
             "learning_rate": schedule(state["step"]),
             "tokens": stats["tokens"],
         }
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        params, opt_state = update_if_finite(
-            finite, (params, opt_state), (state["params"], state["opt_state"])
-        )
+        params, opt_state = update_if_finite(finite, update, (params, state["opt_state"]))
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

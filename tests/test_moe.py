@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import sharding
+from gpt_oss_train import runtime, sharding
 from gpt_oss_train.model import grouped_matmul as gm
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model import quantize, streamed_weights
@@ -215,6 +215,14 @@ def test_cpu_uses_tiles_and_int8_weights_dequantize_per_tile():
     gs = jnp.array([2, 0, 4], jnp.int32)
     want = jax.lax.ragged_dot(x, q.astype(jnp.float32), gs)
     np.testing.assert_allclose(gm.grouped_matmul(x, q, gs), want, rtol=1e-6)
+
+
+def test_cpus_without_bfloat16_dot_products_keep_the_tiled_kernel(monkeypatch):
+    """The AVX512-BF16 kernels are chosen by the CPU's flags (and built only there); other
+    CPUs, such as a Zen 3, multiply bfloat16 rows with the tiled kernel."""
+    x, w = jnp.ones((6, 8), jnp.bfloat16), jnp.ones((3, 8, 4), jnp.bfloat16)
+    monkeypatch.setattr(runtime, "cpu_flags", lambda path=None: frozenset({"avx2", "fma"}))
+    assert gm.kernel_for(x, w) == "tiled"
 
 
 # ----------------------------------------------------------------------------- MoE gradients

@@ -33,12 +33,16 @@
 #include <thread>
 #include <vector>
 
-#ifdef __AVX512BF16__
 #include <immintrin.h>
-#endif
 
 #include "stream_rows.h"
 #include "xla/ffi/api/ffi.h"
+
+// Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU): a
+// failed build leaves model/grouped_matmul.py on its tiled kernel.
+#ifndef __AVX512BF16__
+#error "grouped_matmul.cc needs AVX512-BF16 (vdpbf16ps)"
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -64,7 +68,6 @@ struct Groups {
   int used() const { return int(index.size()); }
 };
 
-#ifdef __AVX512BF16__
 
 constexpr int kPanel = 64;  // columns per packed panel: four vectors of 16 float32 sums
 constexpr int kRows = 6;    // rows per register block: 24 accumulators of 32 registers
@@ -263,7 +266,6 @@ struct WeightGrad : Phased {
   }
 };
 
-#endif  // __AVX512BF16__
 
 using ffi::DataType;
 
@@ -273,7 +275,6 @@ bool is_matrix(DataType t) { return is_bf16(t) || t == DataType::F32; }
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
                              ffi::ResultBuffer<ffi::F32> y, int64_t transpose) {
-#ifdef __AVX512BF16__
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 4 || group_sizes.element_count() != size_t(wd[1]) ||
       !is_bf16(x.element_type()) || !is_matrix(w.element_type()))
@@ -301,14 +302,10 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
     job->work([&](int, int item) { job->run(item, panel.get()); });
   }, [&] { return job->finished(); });
   return ffi::Error::Success();
-#else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "grouped_matmul: built for a CPU without AVX512-BF16");
-#endif
 }
 
 ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> dw) {
-#ifdef __AVX512BF16__
   const auto xd = x.dimensions(), yd = dy.dimensions(), wd = dw->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0] || !is_bf16(x.element_type()) ||
       !is_matrix(dy.element_type()) || wd.size() != 3 || wd[1] != xd[1] || wd[2] != yd[1] ||
@@ -352,10 +349,6 @@ ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     });
   }, [&] { return job->finished(); });
   return ffi::Error::Success();
-#else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "grouped_matmul_weight_grad: built for a CPU without AVX512-BF16");
-#endif
 }
 
 }  // namespace

@@ -30,6 +30,7 @@ CASES = [
     ([5, 0, 9, 0, 0, 0], 40, 16, 18),
     ([0, 0, 0], 12, 4, 4),
     ([100, 157, 3], 260, 96, 200),  # several panels and register blocks per group
+    ([30, 0, 51], 81, 40, 128),  # full panels on 64-byte rows: dW's streamed stores
 ]
 
 

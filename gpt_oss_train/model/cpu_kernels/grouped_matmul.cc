@@ -148,9 +148,14 @@ void pack_columns(const Matrix& m, int64_t r0, int cols, int depth, bf16* panel)
 
 // y[r, :cols] = sum_p a(r, p) * b(p, :) for R rows (cols <= kPanel), where a(r, p) is the
 // pair at a + r * a_row + p * a_pair and b(p, :) the kPanel pairs at b + p * b_pair.
+// `stream`: full, aligned rows of y go straight to memory (non-temporal stores), not
+// through the caches: for an output as large as a float32 weight gradient (75 MB at 32
+// experts of 768 x 768, 1 GB at gpt-oss-20b's), this skips reading each line before
+// writing it (dW 32 -> 26 ms and 48 -> 30 ms at 32 and 128 experts, docs/PERFORMANCE.md).
+// The products' outputs, read again soon, gained nothing from it.
 template <int R>
 void rows_by_panel(const bf16* a, int64_t a_row, int64_t a_pair, const bf16* b,
-                   int64_t b_pair, int pairs, float* y, int64_t ldy, int cols) {
+                   int64_t b_pair, int pairs, float* y, int64_t ldy, int cols, bool stream) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -164,6 +169,11 @@ void rows_by_panel(const bf16* a, int64_t a_row, int64_t a_pair, const bf16* b,
       for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], ar, bq[q]);
     }
   }
+  if (stream && cols == kPanel && ((reinterpret_cast<uintptr_t>(y) | (ldy * 4)) & 63) == 0) {
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < 4; ++q) _mm512_stream_ps(y + r * ldy + 16 * q, acc[r][q]);
+    return;
+  }
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q)
       _mm512_mask_storeu_ps(y + r * ldy + 16 * q, first_bits(cols - 16 * q), acc[r][q]);
@@ -171,11 +181,11 @@ void rows_by_panel(const bf16* a, int64_t a_row, int64_t a_pair, const bf16* b,
 
 // rows_by_panel over `rows` rows, kRows at a time.
 void block_by_panel(const bf16* a, int64_t a_row, int64_t a_pair, int rows, const bf16* b,
-                    int64_t b_pair, int pairs, float* y, int64_t ldy, int cols) {
+                    int64_t b_pair, int pairs, float* y, int64_t ldy, int cols, bool stream = false) {
   for (int r = 0; r < rows; r += kRows) {
     const bf16* ar = a + r * a_row;
     float* yr = y + r * ldy;
-#define GPT_OSS_ROWS(R) rows_by_panel<R>(ar, a_row, a_pair, b, b_pair, pairs, yr, ldy, cols)
+#define GPT_OSS_ROWS(R) rows_by_panel<R>(ar, a_row, a_pair, b, b_pair, pairs, yr, ldy, cols, stream)
     switch (std::min(kRows, rows - r)) {
       case 1: GPT_OSS_ROWS(1); break;
       case 2: GPT_OSS_ROWS(2); break;
@@ -262,7 +272,8 @@ struct WeightGrad : Phased {
     const int64_t p0 = pair_first[u];
     const int pairs = (groups.size[u] + 1) / 2;
     block_by_panel(xp.get() + p0 * 2 * k, 2, 2 * int64_t(k), k, dyp.get() + (p0 * n + c0) * 2,
-                   2 * int64_t(n), pairs, dw + int64_t(groups.index[u]) * k * n + c0, n, cols);
+                   2 * int64_t(n), pairs, dw + int64_t(groups.index[u]) * k * n + c0, n, cols, true);
+    _mm_sfence();  // the streamed stores land before the item counts as done
   }
 };
 

@@ -113,9 +113,9 @@ def reuse_freed_memory() -> bool:
     process's heap. By default glibc maps anything over 32 MB (its largest dynamic
     threshold) with mmap and unmaps it when freed, so a CPU training step's large
     temporaries (a 32-expert layer's weight gradient is 75 MB at the benchmark's shape)
-    were faulted in and zeroed page by page on every step: a [32, 768, 768] weight
-    gradient took 68 ms instead of 33 (docs/PERFORMANCE.md). Bigger buffers (checkpoint
-    shards) still go back to the system. Returns whether the setting took."""
+    were faulted in and zeroed page by page on every step, which doubled the time of a
+    weight-gradient kernel (docs/PERFORMANCE.md, "Tenth session"). Bigger buffers
+    (checkpoint shards) still go back to the system. Returns whether the setting took."""
     if platform_lib.system() != "Linux" or platform_lib.libc_ver()[0] != "glibc":
         return False
     try:

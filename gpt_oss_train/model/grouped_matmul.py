@@ -271,8 +271,8 @@ _mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
 def kernel_for(x, w) -> str:
-    """'mosaic', 'cpu_bf16', 'ragged_dot' or 'tiled' for these operands on the platform being
-    compiled for (the active mesh's devices, so AOT compiles for a TPU choose TPU's)."""
+    """'mosaic', 'cpu_bf16', 'ragged_dot' or 'tiled' for these operands on the platform
+    being compiled for (the active mesh's devices, so AOT compiles for a TPU choose TPU's)."""
     if use_mosaic(x, w):
         return "mosaic"
     if cpu_grouped_matmul.applies(x, w):

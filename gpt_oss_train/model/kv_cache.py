@@ -115,8 +115,8 @@ def init(cfg, batch: int, max_len: int, ring: int, dtype, int8: bool = False) ->
 @functools.lru_cache(maxsize=64)
 def _maker(cfg, batch: int, max_len: int, ring: int, dtype, int8: bool, ctx):
     """The jitted function that makes these caches, one per shape and mesh: a new one per
-    request would be traced and compiled again (~60 ms on a CPU, part of each prefill's
-    time to first token)."""
+    request would be traced and compiled again, inside each prefill's time to first token
+    (docs/PERFORMANCE.md, "Tenth session")."""
 
     def make():
         return {

@@ -151,8 +151,8 @@ void pack_columns(const Matrix& m, int64_t r0, int cols, int depth, bf16* panel)
 // `stream`: full, aligned rows of y go straight to memory (non-temporal stores), not
 // through the caches: for an output as large as a float32 weight gradient (75 MB at 32
 // experts of 768 x 768, 1 GB at gpt-oss-20b's), this skips reading each line before
-// writing it (dW 32 -> 26 ms and 48 -> 30 ms at 32 and 128 experts, docs/PERFORMANCE.md).
-// The products' outputs, read again soon, gained nothing from it.
+// writing it (docs/PERFORMANCE.md, "Tenth session"). The products' outputs gained nothing
+// from it.
 template <int R>
 void rows_by_panel(const bf16* a, int64_t a_row, int64_t a_pair, const bf16* b,
                    int64_t b_pair, int pairs, float* y, int64_t ldy, int cols, bool stream) {

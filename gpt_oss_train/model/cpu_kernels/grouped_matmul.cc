@@ -68,20 +68,19 @@ struct Groups {
   int used() const { return int(index.size()); }
 };
 
-
 constexpr int kPanel = 64;  // columns per packed panel: four vectors of 16 float32 sums
 constexpr int kRows = 6;    // rows per register block: 24 accumulators of 32 registers
 constexpr int kAhead = 16;  // rows of a matrix prefetched ahead of its packing
 
 __mmask16 first_bits(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
 
-// A float32 or bfloat16 matrix: element (r, c) at data + r * ld + c.
+// A float32 or bfloat16 matrix: element (r, c) at element r * ld + c of `w`.
 struct Matrix {
-  const void* data;
-  bool f32;
+  gpt_oss_cpu::Weights w;
   int64_t ld;
-  const float* f(int64_t r, int64_t c) const { return static_cast<const float*>(data) + r * ld + c; }
-  const bf16* h(int64_t r, int64_t c) const { return static_cast<const bf16*>(data) + r * ld + c; }
+  bool f32() const { return !w.bf16; }
+  const float* f(int64_t r, int64_t c) const { return w.at<float>(r * ld + c); }
+  const bf16* h(int64_t r, int64_t c) const { return w.at<bf16>(r * ld + c); }
 };
 
 // (low 16 bfloat16 values, high 16) -> 16 pairs (low[i], high[i]).
@@ -96,7 +95,7 @@ __m512i interleave(__m512i v) {
 // row zeros where `second` is false: an odd row count's last pair).
 __m512i row_pairs(const Matrix& m, int64_t r, bool second, int64_t c, int n) {
   const __mmask16 k0 = first_bits(n), k1 = second ? k0 : 0;  // masked loads never fault
-  if (m.f32)
+  if (m.f32())
     return interleave(__m512i(_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(k1, m.f(r + 1, c)),
                                                   _mm512_maskz_loadu_ps(k0, m.f(r, c)))));
   const __m256i lo = _mm256_maskz_loadu_epi16(k0, m.h(r, c));
@@ -111,11 +110,12 @@ void pack_rows(const Matrix& m, int64_t r0, int rows, int64_t c0, int cols, bf16
     const int64_t r = r0 + 2 * p;
     // Rows kAhead ahead, into L2: a panel reads 128-256 bytes of each row, too short a
     // run for the hardware prefetchers to follow.
-    const int bytes = m.f32 ? 4 : 2;
     if (2 * p + kAhead + 1 < rows)
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < cols * bytes; j += 64)
-          __builtin_prefetch(static_cast<const char*>(m.data) + ((r + kAhead + i) * m.ld + c0) * bytes + j, 0, 1);
+      for (int i = 0; i < 2; ++i) {
+        const char* ahead = m.f32() ? reinterpret_cast<const char*>(m.f(r + kAhead + i, c0))
+                                    : reinterpret_cast<const char*>(m.h(r + kAhead + i, c0));
+        for (int j = 0; j < cols * (m.f32() ? 4 : 2); j += 64) __builtin_prefetch(ahead + j, 0, 1);
+      }
     for (int j = 0; j < kPanel; j += 16)
       _mm512_storeu_si512(panel + int64_t(p) * 2 * kPanel + 2 * j,
                           row_pairs(m, r, 2 * p + 1 < rows, c0 + j, cols - j));
@@ -133,7 +133,7 @@ void pack_columns(const Matrix& m, int64_t r0, int cols, int depth, bf16* panel)
         _mm512_set1_epi32(int(m.ld)));
     for (int p = 0; p < depth / 2; ++p) {
       __m512i v;
-      if (m.f32) {
+      if (m.f32()) {
         const float* at = m.f(r0, 2 * p);
         const __m512 even = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, rows, at, 4);
         const __m512 odd = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, rows, at + 1, 4);
@@ -232,8 +232,7 @@ struct Product : Phased {
   void run(int item, bf16* panel) const {
     const int u = item / panels, c0 = (item % panels) * kPanel;
     const int cols = std::min(kPanel, out_cols - c0);
-    const Matrix wg{static_cast<const char*>(w.data) + groups.index[u] * matrix * (w.f32 ? 4 : 2),
-                    w.f32, w.ld};
+    const Matrix wg{w.w.from(groups.index[u] * matrix), w.ld};
     if (transpose)
       pack_columns(wg, c0, cols, depth, panel);
     else
@@ -277,18 +276,17 @@ struct WeightGrad : Phased {
   }
 };
 
-
 using ffi::DataType;
 
 bool is_bf16(DataType t) { return t == DataType::BF16 || t == DataType::U16; }
-bool is_matrix(DataType t) { return is_bf16(t) || t == DataType::F32; }
 
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                              ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> layer,
                              ffi::ResultBuffer<ffi::F32> y, int64_t transpose) {
   const auto xd = x.dimensions(), wd = w.dimensions();
+  gpt_oss_cpu::Weights stack;
   if (xd.size() != 2 || wd.size() != 4 || group_sizes.element_count() != size_t(wd[1]) ||
-      !is_bf16(x.element_type()) || !is_matrix(w.element_type()))
+      !is_bf16(x.element_type()) || !gpt_oss_cpu::as_weights(w, &stack))
     return ffi::Error::InvalidArgument(
         "grouped_matmul: x [M, D] bfloat16, w [L, G, K, N] float32 or bfloat16, sizes [G]");
   const int64_t k = wd[2], n = wd[3];
@@ -297,9 +295,8 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
   const int l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("grouped_matmul: layer out of range");
   auto job = std::make_shared<Product>(Groups(group_sizes.typed_data(), int(wd[1]), int(xd[0])));
-  const bool f32 = w.element_type() == DataType::F32;
   job->matrix = k * n;
-  job->w = {static_cast<const char*>(w.untyped_data()) + l * wd[1] * k * n * (f32 ? 4 : 2), f32, n};
+  job->w = {stack.from(l * wd[1] * k * n), n};
   job->x = static_cast<const bf16*>(x.untyped_data());
   job->transpose = transpose != 0;
   job->depth = int(xd[1]);
@@ -318,8 +315,9 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuf
 ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> dw) {
   const auto xd = x.dimensions(), yd = dy.dimensions(), wd = dw->dimensions();
+  gpt_oss_cpu::Weights xs, dys;
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0] || !is_bf16(x.element_type()) ||
-      !is_matrix(dy.element_type()) || wd.size() != 3 || wd[1] != xd[1] || wd[2] != yd[1] ||
+      !gpt_oss_cpu::as_weights(x, &xs) || !gpt_oss_cpu::as_weights(dy, &dys) || wd.size() != 3 || wd[1] != xd[1] || wd[2] != yd[1] ||
       group_sizes.element_count() != size_t(wd[0]))
     return ffi::Error::InvalidArgument(
         "grouped_matmul_weight_grad: x [M, K] bfloat16, dy [M, N], sizes [G] -> dw [G, K, N]");
@@ -327,8 +325,8 @@ ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   job->k = int(xd[1]);
   job->n = int(yd[1]);
   job->panels = (job->n + kPanel - 1) / kPanel;
-  job->x = {x.untyped_data(), false, job->k};
-  job->dy = {dy.untyped_data(), dy.element_type() == DataType::F32, job->n};
+  job->x = {xs, job->k};
+  job->dy = {dys, job->n};
   job->dw = dw->typed_data();
   for (int u = 0; u < job->groups.used(); ++u) {
     job->pair_first.push_back(int64_t(job->pair_row.size()));

@@ -76,9 +76,10 @@ def _bwd(res, dy):
     """dx = dy @ w[g]^T (dy rounded to bfloat16, as the tiled backward does), dW[g] =
     x_g^T @ dy_g."""
     x, w, sizes = res
-    dx = _product(dy.astype(jnp.bfloat16), w[None], 0, sizes, transpose=True)
+    dy = dy.astype(jnp.bfloat16)
+    dx = _product(dy, w[None], 0, sizes, transpose=True)
     call = jax.ffi.ffi_call(WEIGHT_GRAD_TARGET, jax.ShapeDtypeStruct(w.shape, jnp.float32))
-    dw = call(x, dy.astype(jnp.bfloat16), sizes)
+    dw = call(x, dy, sizes)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 

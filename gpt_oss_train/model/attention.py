@@ -23,6 +23,11 @@ Back-ends:
   flash      GPU Pallas (Triton) flash attention with sinks, window and segments, forward
              and backward (flash_attention.py); under shard_map over batch and heads.
 
+On a CPU with AVX-512 and one device, `xla` and `blockwise` self-attention (training,
+prefill) run as a C++ kernel instead (cpu_kernels/self_attention.py): the same
+visibility, sinks and results, blocks of queries against blocks of keys with an online
+softmax, forward and backward, never materializing the [q, k] logits.
+
 Decode on a CPU does not come here: its few queries attend over the stacked float32 cache
 in a C++ custom call that reads it in place (cpu_kernels/decode_attention.py), with the
 same visibility and results as `xla_attention`.
@@ -38,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train import sharding
 from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.model.cpu_kernels import self_attention as cpu_self_attention
 
 _NEG = -1e30  # finite "minus infinity": keeps max/exp/grad free of inf - inf
 
@@ -230,5 +236,7 @@ def attention(
         impl = "xla"
     elif q_seg is None:
         q_seg = k_seg = (q_pos >= 0).astype(jnp.int32)
+    if self_attention and impl in ("xla", "blockwise") and cpu_self_attention.applies(q, k):
+        return cpu_self_attention.self_attention(q, k, v, sinks, q_pos, q_seg, window)
     where = dict(q_pos=q_pos, k_pos=k_pos, q_seg=q_seg, k_seg=k_seg)
     return IMPLS[impl](q, k, v, sinks, **where, window=window, block=block)

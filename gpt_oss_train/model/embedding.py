@@ -30,7 +30,9 @@ from gpt_oss_train import sharding
 def lookup(table_vd, tokens_bs, dtype):
     """Rows of `table_vd` for `tokens_bs`, as [b, s, d] in `dtype`."""
     ctx = sharding.active()
-    if ctx is None:
+    if ctx is None or ctx[0].size == 1:
+        # One device: no exchange to arrange, and shard_map's gradient would still sum the
+        # table over the (one-device) batch axes, an all-reduce XLA:CPU runs as a copy.
         return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
     mesh, rules = ctx
     tok = sharding.fit_spec(sharding.logical_to_spec(("batch", None), rules), tokens_bs.shape, mesh)

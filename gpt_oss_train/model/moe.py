@@ -32,9 +32,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from gpt_oss_train import sharding
-from gpt_oss_train.model import streamed_weights
+from gpt_oss_train.model import remat, streamed_weights
 from gpt_oss_train.model.cpu_kernels import moe_decode as cpu_moe_decode
 from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
@@ -157,8 +158,8 @@ def _grouped_ffn(
     lora_group_sizes (default group_sizes; several adapters: (expert, adapter) groups)."""
     f32 = jnp.float32
     x = x_rd.astype(dtype)
-    gate = grouped_matmul(x, w.wi_gate, group_sizes)
-    up = grouped_matmul(x, w.wi_up, group_sizes)
+    gate = checkpoint_name(grouped_matmul(x, w.wi_gate, group_sizes), remat.EXPERT_PRODUCTS)
+    up = checkpoint_name(grouped_matmul(x, w.wi_up, group_sizes), remat.EXPERT_PRODUCTS)
     lo = w.lora
     lgs = group_sizes if lora_group_sizes is None else lora_group_sizes
     if lo is not None and lo.a_in is not None:
@@ -167,7 +168,7 @@ def _grouped_ffn(
         up = up + grouped_matmul(xa, lo.b_up.astype(dtype), lgs)
     e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
     act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
-    y = grouped_matmul(act.astype(dtype), w.wo, group_sizes)
+    y = checkpoint_name(grouped_matmul(act.astype(dtype), w.wo, group_sizes), remat.EXPERT_PRODUCTS)
     if lo is not None and lo.a_out is not None:
         y = y + _grouped_low_rank(act.astype(dtype), lo.a_out, lo.b_out, lgs, dtype)
     if add_out_bias:

@@ -7,6 +7,11 @@ import jax
 
 _policies = jax.checkpoint_policies
 
+# The name (jax.ad_checkpoint.checkpoint_name) of the expert matmuls' outputs, which
+# "save_moe" keeps: on a CPU the grouped matmuls are most of a block's forward FLOPs and
+# their outputs a small part of its activations (tokens x k x (2 F + D) float32 a layer).
+EXPERT_PRODUCTS = "expert_products"
+
 
 def _checkpointed(policy):
     # prevent_cse only matters outside a scan (a scan body is never CSE'd across steps).
@@ -18,6 +23,8 @@ POLICIES = {
     "full": _checkpointed(None),  # keep nothing inside a block: recompute it
     "save_dots": _checkpointed(_policies.checkpoint_dots),
     "save_dots_no_batch": _checkpointed(_policies.checkpoint_dots_with_no_batch_dims),
+    # keep the expert matmuls' outputs, recompute the rest (attention, routing, GLU, norms)
+    "save_moe": _checkpointed(_policies.save_only_these_names(EXPERT_PRODUCTS)),
 }
 
 

@@ -7,6 +7,8 @@ that are not multiples of a vector or a panel, float32 and bfloat16 matrices, an
 read in place from a stack. The reference takes the bfloat16-rounded operands the kernel
 multiplies, so only float32 accumulation separates them."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,40 @@ def test_a_mesh_of_several_devices_keeps_the_tiled_kernel():
     mesh = sharding.make_mesh(dict(data=1, fsdp=4, tensor=1, expert=2))
     with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
         assert gm.kernel_for(x, w) == "tiled"
+
+
+def test_training_reads_expert_stacks_in_place_with_the_same_gradients(monkeypatch):
+    """A bfloat16 model's training step hands the experts TrainingViews: the kernels read
+    each layer from its stack, so the compiled step slices no expert layer off (the
+    copy XLA made per layer), and the gradients are those of the plain slices, bit for
+    bit (the same kernel products, summed the same way)."""
+    from gpt_oss_train.model.transformer import ModelDef
+
+    c = config_lib.default_config()
+    c.dtype = "bfloat16"
+    c.model.update(vocab_size=256, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                   head_dim=16, num_experts=4, experts_per_token=2, intermediate_size=48,
+                   sliding_window=8)  # fmt: skip
+    mc = config_lib.ModelConfig.from_config(c)
+    md = ModelDef(mc)
+    params = md.init(0)
+    tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, mc.vocab_size)
+
+    def loss(p):
+        model = md.bind(p)
+        h, aux, _ = model(tokens)
+        return jnp.mean(model.logits(h).astype(jnp.float32) ** 2) + aux
+
+    def expert_slices(step):  # layers sliced off the [2, 4, 32, 48] wi_gate/wi_up stacks
+        hlo = step.lower(params).compile().as_text()
+        assert "gpt_oss_grouped_matmul" in hlo
+        return len(re.findall(r"f32\[1,4,32,48\]\S* dynamic-slice\(", hlo))
+
+    step = jax.jit(jax.grad(loss))
+    assert expert_slices(step) == 0
+    in_place = step(params)
+    monkeypatch.setattr(kernel, "reads_in_training", lambda dtype, stack: False)
+    step = jax.jit(jax.grad(loss))
+    assert expert_slices(step) > 0
+    for a, b in zip(jax.tree.leaves(in_place), jax.tree.leaves(step(params))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -30,6 +30,7 @@ from gpt_oss_train.model import attention as attn_lib
 from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_weights
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.cpu_kernels import decode_attention as cpu_decode_attention
+from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
 from gpt_oss_train.model.cpu_kernels import rows_matmul as cpu_rows_matmul
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -118,11 +119,19 @@ def dense(spec: str, x, kernel, dt):
     """einsum(spec, x, kernel) in `dt` with float32 results, where x's dimensions after
     [b, s] contract with the kernel's leading ones. The kernel may be a streamed layer
     view (streamed_weights.py). A decode step's few rows take the CPU kernel, which reads
-    a view's layer in place; everything else XLA's dot."""
+    a view's layer in place; with bfloat16 compute on a CPU with AVX512-BF16, other rows
+    take the grouped matmul kernel as one group (its backward products beat XLA:CPU's
+    transposed dots, docs/PERFORMANCE.md); everything else XLA's dot."""
     b, s = x.shape[:2]
     if cpu_rows_matmul.applies(b * s, kernel, dt):
         y = cpu_rows_matmul.rows_matmul(x.reshape(b * s, -1), kernel)
         return y.reshape(b, s, *kernel.shape[x.ndim - 2 :])
+    if isinstance(kernel, jax.Array):
+        depth = math.prod(kernel.shape[: x.ndim - 2])
+        rows, matrix = x.reshape(b * s, depth).astype(dt), kernel.reshape(1, depth, -1)
+        if cpu_grouped_matmul.applies(rows, matrix):
+            y = cpu_grouped_matmul.grouped_matmul(rows, matrix, jnp.full((1,), b * s, jnp.int32))
+            return y.reshape(b, s, *kernel.shape[x.ndim - 2 :])
     kernel = streamed_weights.whole(kernel)
     return jnp.einsum(spec, x.astype(dt), kernel.astype(dt), preferred_element_type=jnp.float32)
 
@@ -389,9 +398,13 @@ class Transformer(nnx.Module):
         rope = rope_tables(cfg, positions)
 
         graphdef, block_params = nnx.split(self.blocks)
-        stacks = None
+        stacks = training_stacks = None
         if streamed_weights.applies(cache, cfg.num_blocks):
             block_params, stacks = streamed_weights.take(block_params, cfg.num_blocks)
+        elif cache is None:
+            training_stacks = streamed_weights.training_stacks(
+                block_params, lambda stack: cpu_grouped_matmul.reads_in_training(dt, stack)
+            )
 
         # The stacked cache rides in the loop's carry: each block writes its new keys into
         # its own layer in place and reads that layer, where slicing it off as a scanned
@@ -401,6 +414,8 @@ class Transformer(nnx.Module):
             params, layer = xs
             if stacks is not None:
                 params = streamed_weights.put(params, stacks)
+            if training_stacks:
+                params = streamed_weights.put_training(params, training_stacks, layer)
             block = nnx.merge(graphdef, params)
             x, aux, cache = block(x, rope, positions, segment_ids, valid, cache, layer, adapter_ids)
             return (x, cache), aux

@@ -30,7 +30,8 @@ def available() -> bool:
 def applies(x, w) -> bool:
     """CPU with AVX512-BF16, one device, bfloat16 rows, float32 or bfloat16 matrices (an
     array or a view of a stack; not an int8 QArray or MXFP4Array) of even sides."""
-    stack = w.stack if isinstance(w, streamed_weights.LayerView) else w
+    views = (streamed_weights.LayerView, streamed_weights.TrainingView)
+    stack = w.stack if isinstance(w, views) else w
     ctx = sharding.active()
     return (
         x.dtype == jnp.bfloat16
@@ -44,15 +45,24 @@ def applies(x, w) -> bool:
     )
 
 
+def reads_in_training(dtype, stack) -> bool:
+    """Whether training in `dtype` multiplies by this expert stack [layers, E, K, N] here,
+    reading its layers in place (streamed_weights.TrainingView)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and applies(jnp.zeros((0, 2), jnp.bfloat16), stack)
+
+
 def grouped_matmul(x_mk, w, group_sizes):
     """x [M, K] @ w[g] for each group's rows -> float32 [M, N] (rows past the groups are
-    zeros); w a [G, K, N] array (differentiable) or a LayerView of such layers."""
+    zeros); w a [G, K, N] array (differentiable), a LayerView of such layers or a
+    TrainingView (read in place, differentiable in its value)."""
     if not available():
         raise RuntimeError(f"the CPU kernel {TARGET} could not be built (see the log)")
     sizes = group_sizes.astype(jnp.int32)
     if isinstance(w, streamed_weights.LayerView):  # inference: no gradient
         return _product(x_mk, w.stack, w.layer, sizes, transpose=False)
-    return _differentiable(x_mk, w, sizes)
+    if isinstance(w, streamed_weights.TrainingView):
+        return _in_place(x_mk, w.value, w.stack, w.layer, sizes)
+    return _in_place(x_mk, w, w[None], jnp.int32(0), sizes)
 
 
 def _product(x, stack, layer, sizes, *, transpose: bool):
@@ -64,23 +74,25 @@ def _product(x, stack, layer, sizes, *, transpose: bool):
 
 
 @jax.custom_vjp
-def _differentiable(x, w, sizes):
-    return _product(x, w[None], 0, sizes, transpose=False)
+def _in_place(x, value, stack, layer, sizes):
+    """x @ stack[layer, g] per group, differentiable in x and `value` (stack[layer]'s
+    stand-in for the gradient: never read, so a slice that made it is dropped)."""
+    return _product(x, stack, layer, sizes, transpose=False)
 
 
-def _fwd(x, w, sizes):
-    return _differentiable(x, w, sizes), (x, w, sizes)
+def _fwd(x, value, stack, layer, sizes):
+    return _in_place(x, value, stack, layer, sizes), (x, stack, layer, sizes)
 
 
 def _bwd(res, dy):
     """dx = dy @ w[g]^T (dy rounded to bfloat16, as the tiled backward does), dW[g] =
     x_g^T @ dy_g."""
-    x, w, sizes = res
+    x, stack, layer, sizes = res
     dy = dy.astype(jnp.bfloat16)
-    dx = _product(dy, w[None], 0, sizes, transpose=True)
-    call = jax.ffi.ffi_call(WEIGHT_GRAD_TARGET, jax.ShapeDtypeStruct(w.shape, jnp.float32))
+    dx = _product(dy, stack, layer, sizes, transpose=True)
+    call = jax.ffi.ffi_call(WEIGHT_GRAD_TARGET, jax.ShapeDtypeStruct(stack.shape[1:], jnp.float32))
     dw = call(x, dy, sizes)
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+    return dx.astype(x.dtype), dw.astype(stack.dtype), None, None, None
 
 
-_differentiable.defvjp(_fwd, _bwd)
+_in_place.defvjp(_fwd, _bwd)

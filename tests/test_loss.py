@@ -75,24 +75,31 @@ def test_loss_and_gradients_on_a_mesh_equal_no_mesh(sizes):
     np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-7)
 
 
-def test_bfloat16_gradients_match_float64_reference():
-    """The logits matmul has a hand-written backward pass (bf16 cotangents, weight
-    gradient in bf16): its gradients against the float64 formulas, d loss / d logits =
-    softmax - onehot over the masked tokens."""
+@pytest.mark.parametrize("chunk", [5, S])  # three chunks (recomputed), one (softmax kept)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradients_match_float64_reference(dtype, chunk):
+    """The chunk's log-probabilities have a hand-written backward pass (cotangents and the
+    weight gradient in the compute dtype, the softmax kept from the forward pass when
+    there is one chunk): its gradients against the float64 formulas, d loss / d logits =
+    (softmax - onehot + 2 z lse softmax) over the masked tokens."""
     h, w, t, m = _inputs(2)
+    z = 1e-2
 
     def f(h, w):
-        nll, _, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=5, dtype=jnp.bfloat16)
-        return nll / n
+        nll, zs, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=chunk, dtype=dtype)
+        return nll / n + z * zs / n
 
     dh, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))
     h64, w64 = h.astype(np.float64), w.astype(np.float64)
     logits = h64 @ w64
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    g = (p - np.eye(V)[t]) * (m / m.sum())[..., None]
+    lse = np.log(np.exp(logits).sum(-1, keepdims=True))
+    g = (p - np.eye(V)[t] + 2 * z * lse * p) * (m / m.sum())[..., None]
     ref_dh = g @ w64.T
     ref_dw = np.einsum("bsd,bsv->dv", h64, g)
-    # inputs, weights and cotangents are rounded to bf16 (8-bit mantissa, ~0.4% each)
-    np.testing.assert_allclose(dh, ref_dh, atol=2e-2 * np.abs(ref_dh).max())
-    np.testing.assert_allclose(dw, ref_dw, atol=2e-2 * np.abs(ref_dw).max())
+    # float32: sums of 16 and 40 terms, ~1e-6; bf16: inputs, weights, softmax and
+    # cotangents rounded (8-bit mantissa, ~0.4% each)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(dh, ref_dh, atol=tol * np.abs(ref_dh).max())
+    np.testing.assert_allclose(dw, ref_dw, atol=tol * np.abs(ref_dw).max())

@@ -3,8 +3,9 @@
 The unembedding of gpt-oss has 201,088 columns: a [batch, seq, vocab] float32 logit
 tensor for a 4k-token row is 3.3 GB. We walk the sequence in chunks of `chunk` positions,
 compute each chunk's logits, log-sum-exp and target logit, and keep only per-token
-numbers. `jax.checkpoint` on the chunk makes the backward pass recompute the chunk's
-logits instead of storing them, so peak memory is one chunk of logits.
+numbers. With several chunks, `jax.checkpoint` on each makes the backward pass recompute
+the chunk's logits instead of storing them, so peak memory is one chunk of logits; a
+single chunk keeps its softmax for the backward instead (no second matmul).
 """
 
 from __future__ import annotations
@@ -30,44 +31,59 @@ def token_logprobs(hidden_bsd, unembed_dv, targets_bs, *, chunk: int, dtype):
     t = jnp.moveaxis(targets_bs.reshape(b, n, chunk), 1, 0)
     w = unembed_dv.astype(dtype)
 
-    @jax.checkpoint
     def one(carry, xs):
         hc, tc = xs
-        logits = _logits(hc.astype(dtype), w)
-        logits = sharding.constrain(logits, ("batch", "length", "vocab"))
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
-        return carry, (target_logit - lse, lse)
+        return carry, _chunk_logprobs(hc.astype(dtype), w, tc)
 
+    if n > 1:  # one chunk's logits at a time: the backward recomputes each chunk's
+        one = jax.checkpoint(one)
     _, (logp, lse) = jax.lax.scan(one, None, (h, t))
     logp = jnp.moveaxis(logp, 0, 1).reshape(b, n * chunk)[:, :s]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, n * chunk)[:, :s]
     return logp, lse
 
 
+def _chunk_logits(h_bcd, w_dv):
+    logits = jnp.einsum("bcd,dv->bcv", h_bcd, w_dv, preferred_element_type=jnp.float32)
+    return sharding.constrain(logits, ("batch", "length", "vocab"))
+
+
 @jax.custom_vjp
-def _logits(h_bcd, w_dv):
-    """float32 logits of compute-dtype inputs. The custom backward pass is the usual
-    mixed-precision one: the logits' gradient is cast to the compute dtype and the weight
-    gradient comes out in it, accumulated in float32 inside the matmul. Left to autodiff,
-    the weight gradient is a float32 x bf16 matmul with a float32 [embed, vocab] result:
-    2.16 GiB per chip for gpt-oss, the largest buffer of the TPU v5e step."""
-    return jnp.einsum("bcd,dv->bcv", h_bcd, w_dv, preferred_element_type=jnp.float32)
+def _chunk_logprobs(h_bcd, w_dv, t_bc):
+    """(log p(target), log-sum-exp) [b, c] float32 of a chunk's float32 logits, from
+    compute-dtype inputs. The custom backward pass is the usual mixed-precision one: the
+    logits' gradient is cast to the compute dtype and the weight gradient comes out in
+    it, accumulated in float32 inside the matmul. Left to autodiff, the weight gradient is
+    a float32 x bf16 matmul with a float32 [embed, vocab] result: 2.16 GiB per chip for
+    gpt-oss, the largest buffer of the TPU v5e step. The forward keeps the softmax (in the
+    compute dtype) for it, so a single chunk's logits are never computed twice."""
+    logits = _chunk_logits(h_bcd, w_dv)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, t_bc[..., None], axis=-1)[..., 0]
+    return target - lse, lse
 
 
-def _logits_fwd(h_bcd, w_dv):
-    return _logits(h_bcd, w_dv), (h_bcd, w_dv)
+def _chunk_fwd(h_bcd, w_dv, t_bc):
+    logits = _chunk_logits(h_bcd, w_dv)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, t_bc[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(logits - lse[..., None]).astype(w_dv.dtype)
+    return (target - lse, lse), (h_bcd, w_dv, t_bc, probs)
 
 
-def _logits_bwd(res, g_bcv):
-    h_bcd, w_dv = res
-    g = g_bcv.astype(w_dv.dtype)
+def _chunk_bwd(res, cts):
+    """d logp / d logits = onehot(target) - softmax, d lse / d logits = softmax."""
+    h_bcd, w_dv, t_bc, probs = res
+    ct_logp, ct_lse = cts
+    target = jnp.arange(probs.shape[-1]) == t_bc[..., None]
+    g = (ct_lse - ct_logp)[..., None] * probs + jnp.where(target, ct_logp[..., None], 0.0)
+    g = g.astype(w_dv.dtype)
     dh = jnp.einsum("bcv,dv->bcd", g, w_dv, preferred_element_type=jnp.float32)
     dw = jnp.einsum("bcd,bcv->dv", h_bcd, g, preferred_element_type=w_dv.dtype)
-    return dh.astype(h_bcd.dtype), dw
+    return dh.astype(h_bcd.dtype), dw, None
 
 
-_logits.defvjp(_logits_fwd, _logits_bwd)
+_chunk_logprobs.defvjp(_chunk_fwd, _chunk_bwd)
 
 
 def lm_loss_sums(hidden_bsd, unembed_dv, targets_bs, mask_bs, *, chunk: int, dtype):

@@ -11,6 +11,7 @@ import optax
 
 from gpt_oss_train.model import lora, parameters
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
+from gpt_oss_train.training import fused_adamw
 from gpt_oss_train.training import loss as loss_lib
 
 
@@ -121,7 +122,14 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
             (grads, stats), _ = jax.lax.scan(one, (zeros, zero_stats), micro)
         n = jnp.maximum(stats["tokens"], 1.0)
 
+        grad_norm = optax.tree.norm(grads) / n
+
         def update():
+            if fused_adamw.applies(params, state["opt_state"]):
+                decays = jax.tree_util.tree_map_with_path(_decays, params)
+                return fused_adamw.update(
+                    t, schedule, decays, grads, n, grad_norm, params, state["opt_state"]
+                )
             # Per-token means, divided inside the branch as the update fused them before
             # it was a branch: its rounding, and so a run's losses, stay bit for bit.
             mean = jax.tree.map(lambda g: g / n, grads)
@@ -132,7 +140,7 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
             "loss": stats["nll"] / n,
             "aux_loss": stats["aux"] / n,
             "z_loss": stats["z"] / n,
-            "grad_norm": optax.tree.norm(grads) / n,
+            "grad_norm": grad_norm,
             "learning_rate": schedule(state["step"]),
             "tokens": stats["tokens"],
         }

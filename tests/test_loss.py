@@ -8,6 +8,7 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
+from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
 from gpt_oss_train.training import loss as loss_lib
 
 B, S, D, V = 8, 12, 16, 40  # S=12 with chunk 5: two full chunks and a padded one
@@ -89,7 +90,11 @@ def test_gradients_match_float64_reference(dtype, chunk):
         nll, zs, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=chunk, dtype=dtype)
         return nll / n + z * zs / n
 
-    dh, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(h), jnp.asarray(w))
+    grad = jax.jit(jax.grad(f, argnums=(0, 1)))
+    dh, dw = grad(jnp.asarray(h), jnp.asarray(w))
+    # bfloat16 on a CPU with AVX512-BF16: the products are the grouped matmul kernels'
+    kernels = dtype == jnp.bfloat16 and cpu_grouped_matmul.available()
+    assert (cpu_grouped_matmul.TARGET in grad.lower(h, w).as_text()) == kernels
     h64, w64 = h.astype(np.float64), w.astype(np.float64)
     logits = h64 @ w64
     p = np.exp(logits - logits.max(-1, keepdims=True))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
 
 
 def token_logprobs(hidden_bsd, unembed_dv, targets_bs, *, chunk: int, dtype):
@@ -43,7 +44,20 @@ def token_logprobs(hidden_bsd, unembed_dv, targets_bs, *, chunk: int, dtype):
     return logp, lse
 
 
+def _rows(a_bcx):
+    return a_bcx.reshape(-1, a_bcx.shape[-1])
+
+
+def _on_cpu_kernels(h_bcd, w_dv) -> bool:
+    """One CPU device with AVX512-BF16 and bfloat16 compute: the chunk's three products
+    take the grouped matmul kernels as one group (faster than XLA:CPU's dots on the
+    unembedding's shapes, docs/PERFORMANCE.md)."""
+    return cpu_grouped_matmul.applies(_rows(h_bcd), w_dv[None])
+
+
 def _chunk_logits(h_bcd, w_dv):
+    if _on_cpu_kernels(h_bcd, w_dv):
+        return cpu_grouped_matmul.matmul(_rows(h_bcd), w_dv).reshape(*h_bcd.shape[:2], -1)
     logits = jnp.einsum("bcd,dv->bcv", h_bcd, w_dv, preferred_element_type=jnp.float32)
     return sharding.constrain(logits, ("batch", "length", "vocab"))
 
@@ -78,8 +92,12 @@ def _chunk_bwd(res, cts):
     target = jnp.arange(probs.shape[-1]) == t_bc[..., None]
     g = (ct_lse - ct_logp)[..., None] * probs + jnp.where(target, ct_logp[..., None], 0.0)
     g = g.astype(w_dv.dtype)
-    dh = jnp.einsum("bcv,dv->bcd", g, w_dv, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("bcd,bcv->dv", h_bcd, g, preferred_element_type=w_dv.dtype)
+    if _on_cpu_kernels(h_bcd, w_dv):
+        dh = cpu_grouped_matmul.matmul(_rows(g), w_dv, transpose=True).reshape(h_bcd.shape)
+        dw = cpu_grouped_matmul.weight_grad(_rows(h_bcd), _rows(g)).astype(w_dv.dtype)
+    else:
+        dh = jnp.einsum("bcv,dv->bcd", g, w_dv, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("bcd,bcv->dv", h_bcd, g, preferred_element_type=w_dv.dtype)
     return dh.astype(h_bcd.dtype), dw, None
 
 

@@ -65,6 +65,24 @@ def grouped_matmul(x_mk, w, group_sizes):
     return _in_place(x_mk, w, w[None], jnp.int32(0), sizes)
 
 
+def matmul(x, w, *, transpose: bool = False):
+    """x [M, K] @ w [K, N] (transpose: x [M, N] @ w^T) -> float32, all rows one group; no
+    gradient (for callers with their own backward, training/loss.py)."""
+    return _product(x, w[None, None], 0, _one_group(x), transpose=transpose)
+
+
+def weight_grad(x, dy):
+    """x [M, K]^T @ dy [M, N] -> float32 [K, N]; no gradient."""
+    call = jax.ffi.ffi_call(
+        WEIGHT_GRAD_TARGET, jax.ShapeDtypeStruct((1, x.shape[1], dy.shape[1]), jnp.float32)
+    )
+    return call(x, dy, _one_group(x))[0]
+
+
+def _one_group(x):
+    return jnp.full((1,), x.shape[0], jnp.int32)
+
+
 def _product(x, stack, layer, sizes, *, transpose: bool):
     """x @ stack[layer, g] (transpose: stack[layer, g]^T) per group."""
     k, n = stack.shape[2:]

@@ -126,7 +126,7 @@ def dense(spec: str, x, kernel, dt):
     if cpu_rows_matmul.applies(b * s, kernel, dt):
         y = cpu_rows_matmul.rows_matmul(x.reshape(b * s, -1), kernel)
         return y.reshape(b, s, *kernel.shape[x.ndim - 2 :])
-    if isinstance(kernel, jax.Array):
+    if isinstance(kernel, jax.Array) and sharding.platform() == "cpu":
         depth = math.prod(kernel.shape[: x.ndim - 2])
         rows, matrix = x.reshape(b * s, depth).astype(dt), kernel.reshape(1, depth, -1)
         if cpu_grouped_matmul.applies(rows, matrix):

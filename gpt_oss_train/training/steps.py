@@ -21,6 +21,11 @@ def _decays(key_path, _) -> bool:
     return parameters.lookup(parameters.path_of(key_path))[0].decay
 
 
+class ConfiguredOptimizer(optax.GradientTransformation):
+    """The chain `make_optimizer(t)` returns, so marked: a train step made with it and the
+    same `t` may run `fused_adamw` in its place, which takes the hyperparameters from `t`."""
+
+
 def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
     # Linear warmup then cosine decay, shifted by one so the first update (count 0) already
     # uses lr/warmup_steps rather than 0, and the last (count steps-1) the end value.
@@ -42,7 +47,7 @@ def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
     )
     if t.grad_clip_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(t.grad_clip_norm), tx)
-    return tx, schedule
+    return ConfiguredOptimizer(*tx), schedule
 
 
 def opt_state_shardings(tx, abstract_params, param_shardings, mesh):
@@ -99,7 +104,8 @@ def update_if_finite(finite, update, old):
 
 def make_train_step(model_def: ModelDef, tx, schedule, t):
     """(state, batch) -> (state, metrics). metrics["skipped"] is 1.0 when the loss or the
-    gradient norm was not finite and the update was skipped (update_if_finite)."""
+    gradient norm was not finite and the update was skipped (update_if_finite). With
+    `make_optimizer(t)`'s chain on one CPU device, the update is `fused_adamw`'s."""
     loss_fn = make_loss_fn(model_def, t)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -125,7 +131,9 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
         grad_norm = optax.tree.norm(grads) / n
 
         def update():
-            if fused_adamw.applies(params, state["opt_state"]):
+            if isinstance(tx, ConfiguredOptimizer) and fused_adamw.applies(
+                params, state["opt_state"]
+            ):
                 decays = jax.tree_util.tree_map_with_path(_decays, params)
                 return fused_adamw.update(
                     t, schedule, decays, grads, n, grad_norm, params, state["opt_state"]

@@ -71,29 +71,36 @@ def test_cached_decoding_equals_full_forward(models):
         assert len(seq) > 16 + md.cfg.sliding_window  # really beyond the ring
 
 
-def test_bfloat16_cached_decoding_stays_near_its_full_forward(models):
+def test_bfloat16_cached_decoding_stays_near_the_float32_forward(models):
     """bfloat16 weights and compute: on a CPU the cached loop runs the C++ kernels on
-    bfloat16 weights and a cache stored as uint16 bits (bit_moves.py), the full forward
-    XLA's bfloat16 dots. The two round differently, so the bound is bfloat16's, not
-    float32's (measured max |delta logprob| 0.004 to 0.037 over the three prompts: bound
-    0.1), on the generated tokens up to the first disagreement (a random tiny model has
-    near-ties)."""
+    bfloat16 weights and a cache stored as uint16 bits (bit_moves.py). Against the float32
+    model's full forward (the exact reference; bfloat16 full forwards round differently
+    from the cached loop and from each other), the generated tokens agree up to the first
+    near-tie (the float32 top-2 gap there under 0.05: a random tiny model has them; measured
+    0.004 on the third prompt, whose first token is one) and their logprobs stay within
+    0.05 (measured max |delta logprob| 0.004 to 0.010 over the prompts)."""
     _, md, params = models
     md16 = ModelDef(md.cfg.replace(dtype="bfloat16", param_dtype="bfloat16"))
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     gen = Generator(md16, p16, prefill_chunk=16)
     outs = gen.generate(PROMPTS, max_new_tokens=16, stop_ids=[])
-    model = md16.bind(p16)
+    model = md.bind(params)
+    agreed = 0
     for prompt, out in zip(PROMPTS, outs):
         seq = list(prompt) + out["tokens"]
         hidden, _, _ = model(jnp.asarray([seq]))
-        logp = np.asarray(jax.nn.log_softmax(model.logits(hidden)[0].astype(jnp.float32), -1))
+        logp = np.asarray(jax.nn.log_softmax(model.logits(hidden)[0], -1))
         idx = np.arange(len(prompt) - 1, len(seq) - 1)
         full = logp[idx].argmax(-1).tolist()
         same = next((i for i, (x, y) in enumerate(zip(out["tokens"], full)) if x != y), 16)
-        assert same >= 4
-        drift = np.abs(np.array(out["logprobs"][:same]) - logp[idx, out["tokens"]][:same]).max()
-        assert drift < 0.1
+        if same < 16:
+            top2 = np.sort(logp[idx[same]])[-2:]
+            assert top2[1] - top2[0] < 0.05, (prompt, same)
+        agreed += same
+        if same:
+            drift = np.abs(np.array(out["logprobs"][:same]) - logp[idx, out["tokens"]][:same])
+            assert drift.max() < 0.05
+    assert agreed >= 24  # most of the 48 tokens are compared
 
 
 def test_stops_per_row_on_stop_token(models):

@@ -14,7 +14,6 @@
 //   u  = (m' / bc1) / (sqrt(v' / bc2 + eps_root) + eps) + wd p;   p' = p + step * u
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -41,8 +40,6 @@ struct Job {
   float *po, *mo, *vo;
   float s[kCount];
   int64_t size;
-  int items;
-  std::atomic<int> next{0}, done{0};
 
   void run(int item) const {
     const int64_t lo = item * kChunk, hi = std::min(size, lo + kChunk);
@@ -93,13 +90,8 @@ ffi::Error AdamWImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<
   job->vo = vo->typed_data();
   std::copy(scalars.typed_data(), scalars.typed_data() + kCount, job->s);
   job->size = int64_t(size);
-  job->items = int((job->size + kChunk - 1) / kChunk);
-  gpt_oss_cpu::run_on_pool(pool, [job] {
-    for (int i; (i = job->next.fetch_add(1)) < job->items;) {
-      job->run(i);
-      job->done.fetch_add(1, std::memory_order_release);
-    }
-  }, [&] { return job->done.load(std::memory_order_acquire) >= job->items; });
+  const int items = int((job->size + kChunk - 1) / kChunk);
+  gpt_oss_cpu::run_items(pool, items, [job](int i) { job->run(i); });
   return ffi::Error::Success();
 }
 

@@ -26,7 +26,6 @@
 // memory.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -339,20 +338,6 @@ void backward_item(const Problem& p, const Grads& gr, int item) {
   for (int j = 0; j < p.g; ++j) gr.dsinks[int64_t(row) * p.n + head * p.g + j] = dsink[j];
 }
 
-// Items claimed from a shared counter by every thread of the pool.
-struct Job {
-  Problem p;
-  std::atomic<int> next{0}, done{0};
-  template <class Run>
-  void work(Run run) {
-    for (int i; (i = next.fetch_add(1)) < p.items();) {
-      run(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-  bool finished() const { return done.load(std::memory_order_acquire) >= p.items(); }
-};
-
 ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> pos,
                         ffi::Buffer<ffi::S32> seg, int64_t window, Problem* p) {
@@ -383,12 +368,10 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> pos,
                        ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
                        ffi::ResultBuffer<ffi::F32> lse, int64_t window) {
-  auto job = std::make_shared<Job>();
-  if (auto e = read_problem(q, k, v, sinks, pos, seg, window, &job->p); e.failure()) return e;
+  Problem p;
+  if (auto e = read_problem(q, k, v, sinks, pos, seg, window, &p); e.failure()) return e;
   float *o = out->typed_data(), *l = lse->typed_data();
-  gpt_oss_cpu::run_on_pool(pool, [job, o, l] {
-    job->work([&](int item) { forward_item(job->p, item, o, l); });
-  }, [&] { return job->finished(); });
+  gpt_oss_cpu::run_items(pool, p.items(), [p, o, l](int item) { forward_item(p, item, o, l); });
   return ffi::Error::Success();
 }
 
@@ -398,8 +381,8 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
                         ffi::AnyBuffer dout, ffi::ResultBuffer<ffi::F32> dq,
                         ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
                         ffi::ResultBuffer<ffi::F32> dsinks, int64_t window) {
-  auto job = std::make_shared<Job>();
-  if (auto e = read_problem(q, k, v, sinks, pos, seg, window, &job->p); e.failure()) return e;
+  Problem p;
+  if (auto e = read_problem(q, k, v, sinks, pos, seg, window, &p); e.failure()) return e;
   Grads gr;
   if (!gpt_oss_cpu::as_weights(out, &gr.out) || !gpt_oss_cpu::as_weights(dout, &gr.dout) ||
       out.element_count() != q.element_count() || dout.element_count() != q.element_count())
@@ -409,9 +392,7 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   gr.dk = dk->typed_data();
   gr.dv = dv->typed_data();
   gr.dsinks = dsinks->typed_data();
-  gpt_oss_cpu::run_on_pool(pool, [job, gr] {
-    job->work([&](int item) { backward_item(job->p, gr, item); });
-  }, [&] { return job->finished(); });
+  gpt_oss_cpu::run_items(pool, p.items(), [p, gr](int item) { backward_item(p, gr, item); });
   return ffi::Error::Success();
 }
 

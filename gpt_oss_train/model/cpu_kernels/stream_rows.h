@@ -7,7 +7,9 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <thread>
 
 #ifdef __AVX2__
@@ -177,6 +179,23 @@ void run_on_pool(xla::ffi::ThreadPool& pool, Work work, Finished finished) {
   for (int i = 0; i < helpers; ++i) pool.Schedule(Work(work));
   work();
   while (!finished()) std::this_thread::yield();
+}
+
+// run(i) for each i < items, once, on the calling thread and the pool's threads (run_on_pool
+// with one shared counter); returns when every item is done. `run` is copied to the
+// helpers, so it must hold what it reads by value or shared_ptr.
+template <class Run>
+void run_items(xla::ffi::ThreadPool& pool, int items, Run run) {
+  struct Counter {
+    std::atomic<int> next{0}, done{0};
+  };
+  auto count = std::make_shared<Counter>();
+  run_on_pool(pool, [count, items, run] {
+    for (int i; (i = count->next.fetch_add(1)) < items;) {
+      run(i);
+      count->done.fetch_add(1, std::memory_order_release);
+    }
+  }, [&] { return count->done.load(std::memory_order_acquire) >= items; });
 }
 
 }  // namespace gpt_oss_cpu

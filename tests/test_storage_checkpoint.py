@@ -262,9 +262,16 @@ def _launch_two(workdir: str) -> subprocess.CompletedProcess:
 
 def _job_lines(out: str) -> dict[int, str]:
     """The last result line ({...} or "refused: ...") each process ([0] ..., [1] ...)
-    printed; libraries (Gloo) may print after it."""
-    results = [line for line in out.splitlines() if line[:1] == "["]
-    return {int(line[1]): line[4:] for line in results if line[4:5] == "{" or "refused:" in line}
+    printed; libraries (Gloo) may print after it, or into the same line before it."""
+    lines = {}
+    for line in out.splitlines():
+        if line[:1] != "[":
+            continue
+        if line[4:5] == "{":
+            lines[int(line[1])] = line[4:]
+        elif "refused:" in line:
+            lines[int(line[1])] = line[line.index("refused:") :]
+    return lines
 
 
 def test_two_process_job_checkpoints_to_bucket_and_refuses_a_locked_workdir(gcs_dir):

@@ -8,6 +8,7 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
+from gpt_oss_train.model.cpu_kernels import cross_entropy as cpu_cross_entropy
 from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
 from gpt_oss_train.training import loss as loss_lib
 
@@ -94,7 +95,9 @@ def test_gradients_match_float64_reference(dtype, chunk):
     dh, dw = grad(jnp.asarray(h), jnp.asarray(w))
     # bfloat16 on a CPU with AVX512-BF16: the products are the grouped matmul kernels'
     kernels = dtype == jnp.bfloat16 and cpu_grouped_matmul.available()
-    assert (cpu_grouped_matmul.TARGET in grad.lower(h, w).as_text()) == kernels
+    text = grad.lower(h, w).as_text()
+    assert (cpu_grouped_matmul.TARGET in text) == kernels
+    assert (cpu_cross_entropy.GRAD_TARGET in text) == (kernels and cpu_cross_entropy.available())
     h64, w64 = h.astype(np.float64), w.astype(np.float64)
     logits = h64 @ w64
     p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -108,3 +111,33 @@ def test_gradients_match_float64_reference(dtype, chunk):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(dh, ref_dh, atol=tol * np.abs(ref_dh).max())
     np.testing.assert_allclose(dw, ref_dw, atol=tol * np.abs(ref_dw).max())
+
+
+@pytest.mark.skipif(not cpu_cross_entropy.available(), reason="needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("vocab", [1, 37, 4096])  # tails of 1 and 5 lanes, whole vectors
+def test_softmax_kernels_match_float64(vocab):
+    """cross_entropy.cc: lse, target logit and softmax of each row, and the logits'
+    gradient, against numpy in float64 (targets include one past the vocabulary)."""
+    rng = np.random.default_rng(vocab)
+    rows = 9
+    logits = (rng.standard_normal((rows, vocab)) * 6).astype(np.float32)
+    targets = rng.integers(0, vocab, rows).astype(np.int32)
+    targets[-1] = vocab  # out of range: clamped in the forward, no column in the gradient
+    lse, target, probs = jax.jit(cpu_cross_entropy.softmax)(logits, targets)
+    x = logits.astype(np.float64)
+    ref_lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+    ref_p = np.exp(x - ref_lse[:, None])
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(target, x[np.arange(rows), np.minimum(targets, vocab - 1)])
+    assert probs.dtype == jnp.bfloat16
+    # bfloat16 rounding of the float64 softmax: within half a unit in the 8th bit
+    np.testing.assert_allclose(np.asarray(probs, np.float64), ref_p, rtol=2**-8, atol=1e-30)
+
+    scale = rng.standard_normal(rows).astype(np.float32)
+    add = rng.standard_normal(rows).astype(np.float32)
+    g = jax.jit(cpu_cross_entropy.logits_grad)(probs, targets, scale, add)
+    p64 = np.asarray(probs, np.float64)
+    onehot = np.arange(vocab) == targets[:, None]
+    ref_g = scale[:, None] * p64 + np.where(onehot, add[:, None], 0.0)
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g, np.float64), ref_g, rtol=2**-8, atol=1e-30)

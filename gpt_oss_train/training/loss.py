@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.model.cpu_kernels import cross_entropy as cpu_cross_entropy
 from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
 
 
@@ -77,7 +78,20 @@ def _chunk_logprobs(h_bcd, w_dv, t_bc):
     return target - lse, lse
 
 
+def _softmax_on_kernels(h_bcd, w_dv) -> bool:
+    """The chunk's softmax and its gradient as CPU kernels too (cpu_kernels/cross_entropy):
+    XLA:CPU otherwise keeps the float32 logits and recomputes their exponentials, slowly,
+    inside the backward's loop."""
+    return _on_cpu_kernels(h_bcd, w_dv) and cpu_cross_entropy.available()
+
+
 def _chunk_fwd(h_bcd, w_dv, t_bc):
+    if _softmax_on_kernels(h_bcd, w_dv):
+        b, c = t_bc.shape
+        logits = cpu_grouped_matmul.matmul(_rows(h_bcd), w_dv)
+        lse, target, probs = cpu_cross_entropy.softmax(logits, t_bc.reshape(-1))
+        lse, target = lse.reshape(b, c), target.reshape(b, c)
+        return (target - lse, lse), (h_bcd, w_dv, t_bc, probs.reshape(b, c, -1))
     logits = _chunk_logits(h_bcd, w_dv)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, t_bc[..., None], axis=-1)[..., 0]
@@ -89,9 +103,14 @@ def _chunk_bwd(res, cts):
     """d logp / d logits = onehot(target) - softmax, d lse / d logits = softmax."""
     h_bcd, w_dv, t_bc, probs = res
     ct_logp, ct_lse = cts
-    target = jnp.arange(probs.shape[-1]) == t_bc[..., None]
-    g = (ct_lse - ct_logp)[..., None] * probs + jnp.where(target, ct_logp[..., None], 0.0)
-    g = g.astype(w_dv.dtype)
+    if _softmax_on_kernels(h_bcd, w_dv):
+        g = cpu_cross_entropy.logits_grad(
+            _rows(probs), t_bc.reshape(-1), (ct_lse - ct_logp).reshape(-1), ct_logp.reshape(-1)
+        ).reshape(probs.shape)
+    else:
+        target = jnp.arange(probs.shape[-1]) == t_bc[..., None]
+        g = (ct_lse - ct_logp)[..., None] * probs + jnp.where(target, ct_logp[..., None], 0.0)
+        g = g.astype(w_dv.dtype)
     if _on_cpu_kernels(h_bcd, w_dv):
         dh = cpu_grouped_matmul.matmul(_rows(g), w_dv, transpose=True).reshape(h_bcd.shape)
         dw = cpu_grouped_matmul.weight_grad(_rows(h_bcd), _rows(g)).astype(w_dv.dtype)

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include "stream_rows.h"
+#include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 // Built only where the compiler targets AVX-512 (-march=native on such a CPU): a failed
@@ -43,6 +44,7 @@
 #endif
 
 namespace ffi = xla::ffi;
+using gpt_oss_cpu::exp16;
 
 namespace {
 
@@ -101,25 +103,6 @@ void gemm(int m, int n, int depth, const float* a, int64_t lda, const float* b, 
       }
     }
   }
-}
-
-// e^x for x <= 0 (and moderate x > 0): 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, with a
-// degree-7 polynomial for 2^f (relative error ~1e-8, below float32's rounding).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below this e^x is 0 in float32
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  // e^(f ln 2) = sum f'^k / k!, f' = f ln 2 in [-0.35, 0.35]
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // The operands of one call, and the layout of one item's local float32 copies.

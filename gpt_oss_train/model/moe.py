@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gpt_oss_train import sharding
 from gpt_oss_train.model import remat, streamed_weights
+from gpt_oss_train.model.cpu_kernels import glu as cpu_glu
 from gpt_oss_train.model.cpu_kernels import moe_decode as cpu_moe_decode
 from gpt_oss_train.model.grouped_matmul import grouped_matmul
 
@@ -167,7 +168,10 @@ def _grouped_ffn(
         gate = gate + grouped_matmul(xa, lo.b_gate.astype(dtype), lgs)
         up = up + grouped_matmul(xa, lo.b_up.astype(dtype), lgs)
     e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
-    act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
+    if cpu_glu.applies(gate, w.bi_gate, dtype):  # bias gathers and their gradients inside
+        act = cpu_glu.glu(gate, up, w.bi_gate, w.bi_up, e, limit=limit, alpha=alpha)
+    else:
+        act = _glu(gate + w.bi_gate.astype(f32)[e], up + w.bi_up.astype(f32)[e], limit, alpha)
     y = checkpoint_name(grouped_matmul(act.astype(dtype), w.wo, group_sizes), remat.EXPERT_PRODUCTS)
     if lo is not None and lo.a_out is not None:
         y = y + _grouped_low_rank(act.astype(dtype), lo.a_out, lo.b_out, lgs, dtype)

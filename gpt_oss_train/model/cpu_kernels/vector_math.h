@@ -1,5 +1,5 @@
 // Elementwise math on 16 float32 lanes (AVX-512), shared by the CPU kernels that need
-// what XLA:CPU computes slowly (self_attention.cc, cross_entropy.cc).
+// what XLA:CPU computes slowly (self_attention.cc, cross_entropy.cc, glu.cc).
 
 #pragma once
 

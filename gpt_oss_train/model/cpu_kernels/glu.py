@@ -1,0 +1,72 @@
+"""The experts' gated activation with its biases as CPU custom calls (glu.cc) on CPUs with
+AVX512-BF16, forward and backward (a custom VJP: the gradients of gate, up and both
+biases in one call). model/moe.py takes it between the grouped matmul kernels in
+bfloat16; figures in docs/PERFORMANCE.md."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpt_oss_train import runtime, sharding
+from gpt_oss_train.model.cpu_kernels import build
+
+TARGET = "gpt_oss_glu"
+GRAD_TARGET = "gpt_oss_glu_grad"
+CPU_FLAG = "avx512_bf16"  # vcvtneps2bf16 rounds the activation
+
+
+def available() -> bool:
+    return CPU_FLAG in runtime.cpu_flags() and build.load(
+        "glu.cc", ((TARGET, "GptOssGlu"), (GRAD_TARGET, "GptOssGluGrad"))
+    )
+
+
+def applies(gate, bias, dtype) -> bool:
+    """One CPU device (as the grouped matmul kernels), float32 products and biases, a
+    bfloat16 activation, the kernels built."""
+    ctx = sharding.active()
+    return (
+        sharding.platform() == "cpu"
+        and (ctx is None or ctx[0].size == 1)
+        and gate.dtype == jnp.float32
+        and bias.dtype == jnp.float32
+        and jnp.dtype(dtype) == jnp.bfloat16
+        and available()
+    )
+
+
+def glu(gate, up, bias_gate, bias_up, experts, *, limit: float, alpha: float):
+    """bfloat16 act [R, F] of float32 gate, up [R, F], biases [E, F], row experts [R]."""
+    return _glu(gate, up, bias_gate, bias_up, experts.astype(jnp.int32), float(limit), float(alpha))
+
+
+def _attrs(limit, alpha):
+    return dict(limit=np.float32(limit), alpha=np.float32(alpha))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _glu(gate, up, bias_gate, bias_up, experts, limit, alpha):
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(gate.shape, jnp.bfloat16))
+    return call(gate, up, bias_gate, bias_up, experts, **_attrs(limit, alpha))
+
+
+def _fwd(gate, up, bias_gate, bias_up, experts, limit, alpha):
+    act = _glu(gate, up, bias_gate, bias_up, experts, limit, alpha)
+    return act, (gate, up, bias_gate, bias_up, experts)
+
+
+def _bwd(limit, alpha, res, dact):
+    gate, up, bias_gate, bias_up, experts = res
+    rows, bias = (jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (gate, bias_gate))
+    call = jax.ffi.ffi_call(GRAD_TARGET, (rows, rows, bias, bias))
+    dgate, dup, dbg, dbu = call(
+        gate, up, bias_gate, bias_up, experts, dact.astype(jnp.bfloat16), **_attrs(limit, alpha)
+    )
+    return dgate, dup, dbg, dbu, None
+
+
+_glu.defvjp(_fwd, _bwd)

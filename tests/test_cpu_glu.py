@@ -63,6 +63,20 @@ def test_glu_and_gradients_match_float64(rows, width, experts):
     np.testing.assert_allclose(dbu, ref_dbu, atol=scale(ref_dbu))
 
 
+def test_bfloat16_biases_are_widened_and_get_bfloat16_gradients():
+    """Inference's bfloat16 biases: the same activation as their float32 values give, and
+    gradients in their dtype."""
+    rng = np.random.default_rng(1)
+    gate, up = (rng.standard_normal((10, 16)).astype(np.float32) for _ in range(2))
+    bg, bu = (jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16) for _ in range(2))
+    e = jnp.asarray(rng.integers(0, 3, 10), jnp.int32)
+    run = lambda bg, bu: kernel.glu(gate, up, bg, bu, e, limit=LIMIT, alpha=ALPHA)
+    assert kernel.applies(jnp.asarray(gate), bg, jnp.bfloat16)
+    np.testing.assert_array_equal(run(bg, bu), run(bg.astype(jnp.float32), bu.astype(jnp.float32)))
+    dbg, dbu = jax.grad(lambda bg, bu: jnp.sum(run(bg, bu).astype(jnp.float32)), (0, 1))(bg, bu)
+    assert dbg.dtype == dbu.dtype == jnp.bfloat16
+
+
 def test_moe_layer_takes_the_kernel_and_matches_xla():
     """grouped_experts in bfloat16 (the kernel) against the same layer with the kernel
     turned off (XLA's activation): outputs and gradients of x and every expert weight."""

@@ -26,14 +26,14 @@ def available() -> bool:
 
 
 def applies(gate, bias, dtype) -> bool:
-    """One CPU device (as the grouped matmul kernels), float32 products and biases, a
-    bfloat16 activation, the kernels built."""
+    """One CPU device (as the grouped matmul kernels), float32 products, float32 or
+    bfloat16 biases (inference's), a bfloat16 activation, the kernels built."""
     ctx = sharding.active()
     return (
         sharding.platform() == "cpu"
         and (ctx is None or ctx[0].size == 1)
         and gate.dtype == jnp.float32
-        and bias.dtype == jnp.float32
+        and bias.dtype in (jnp.float32, jnp.bfloat16)
         and jnp.dtype(dtype) == jnp.bfloat16
         and available()
     )
@@ -41,6 +41,7 @@ def applies(gate, bias, dtype) -> bool:
 
 def glu(gate, up, bias_gate, bias_up, experts, *, limit: float, alpha: float):
     """bfloat16 act [R, F] of float32 gate, up [R, F], biases [E, F], row experts [R]."""
+    bias_gate, bias_up = bias_gate.astype(jnp.float32), bias_up.astype(jnp.float32)
     return _glu(gate, up, bias_gate, bias_up, experts.astype(jnp.int32), float(limit), float(alpha))
 
 

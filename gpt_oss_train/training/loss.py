@@ -88,7 +88,7 @@ def _softmax_on_kernels(h_bcd, w_dv) -> bool:
 def _chunk_fwd(h_bcd, w_dv, t_bc):
     if _softmax_on_kernels(h_bcd, w_dv):
         b, c = t_bc.shape
-        logits = cpu_grouped_matmul.matmul(_rows(h_bcd), w_dv)
+        logits = _rows(_chunk_logits(h_bcd, w_dv))
         lse, target, probs = cpu_cross_entropy.softmax(logits, t_bc.reshape(-1))
         lse, target = lse.reshape(b, c), target.reshape(b, c)
         return (target - lse, lse), (h_bcd, w_dv, t_bc, probs.reshape(b, c, -1))

@@ -36,16 +36,12 @@ namespace {
 
 using gpt_oss_cpu::bf16;
 using gpt_oss_cpu::exp16;
+using gpt_oss_cpu::lanes;
+using gpt_oss_cpu::widen16;
 
 constexpr int kRowsPerItem = 4;
 
-__mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : __mmask16((1u << n) - 1); }
-
 __m256i round_bf16(__m512 x) { return __m256i(_mm512_cvtneps_pbh(x)); }
-
-__m512 widen(const bf16* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
 
 struct Forward {
   const float* logits;
@@ -91,7 +87,7 @@ struct Grad {
     const __m512 s = _mm512_set1_ps(scale[r]);
     for (int64_t c = 0; c < vocab; c += 16) {
       const __mmask16 k = lanes(vocab - c);
-      _mm256_mask_storeu_epi16(out + c, k, round_bf16(_mm512_mul_ps(s, widen(p + c, k))));
+      _mm256_mask_storeu_epi16(out + c, k, round_bf16(_mm512_mul_ps(s, widen16(p + c, k))));
     }
     const int64_t t = targets[r];
     if (t >= 0 && t < vocab) {
@@ -100,15 +96,6 @@ struct Grad {
     }
   }
 };
-
-template <class Job>
-void run_rows(ffi::ThreadPool& pool, std::shared_ptr<Job> job) {
-  const int items = int((job->rows + kRowsPerItem - 1) / kRowsPerItem);
-  gpt_oss_cpu::run_items(pool, items, [job](int i) {
-    for (int64_t r = int64_t(i) * kRowsPerItem; r < std::min(job->rows, int64_t(i + 1) * kRowsPerItem); ++r)
-      job->row(r);
-  });
-}
 
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> targets,
                        ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> target,
@@ -124,7 +111,7 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::
   job->probs = reinterpret_cast<bf16*>(probs->untyped_data());
   job->rows = d[0];
   job->vocab = d[1];
-  run_rows(pool, job);
+  gpt_oss_cpu::run_rows(pool, job->rows, kRowsPerItem, [job](int64_t r) { job->row(r); });
   return ffi::Error::Success();
 }
 
@@ -143,7 +130,7 @@ ffi::Error GradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> probs, ffi::Buf
   job->g = reinterpret_cast<bf16*>(g->untyped_data());
   job->rows = d[0];
   job->vocab = d[1];
-  run_rows(pool, job);
+  gpt_oss_cpu::run_rows(pool, job->rows, kRowsPerItem, [job](int64_t r) { job->row(r); });
   return ffi::Error::Success();
 }
 

@@ -38,15 +38,11 @@ namespace {
 
 using gpt_oss_cpu::bf16;
 using gpt_oss_cpu::exp16;
+using gpt_oss_cpu::lanes;
+using gpt_oss_cpu::widen16;
 
 constexpr int kRowsPerItem = 16;
 constexpr int kColumns = 16;  // columns of a bias-gradient item: one vector
-
-__mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
-
-__m512 widen(const bf16* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
 
 // 1, 1/2 or 0: the derivative of min(x, hi) in x (lax.min splits a tie evenly).
 __m512 below(__m512 x, __m512 hi) {
@@ -82,7 +78,7 @@ struct Glu {
         _mm256_mask_storeu_epi16(act + r * cols + c, k, __m256i(_mm512_cvtneps_pbh(_mm512_mul_ps(gs, u1))));
         continue;
       }
-      const __m512 d = widen(dact + r * cols + c, k);
+      const __m512 d = widen16(dact + r * cols + c, k);
       // d act / d gc = (uc + 1) (s + gc * alpha * s (1 - s)); d act / d uc = gc s
       const __m512 dgc = _mm512_mul_ps(u1, _mm512_add_ps(s, _mm512_mul_ps(_mm512_mul_ps(gs, al), _mm512_sub_ps(one, s))));
       const __m512 in_band = _mm512_mul_ps(below(neg, u), below(u, lim));
@@ -138,21 +134,13 @@ std::shared_ptr<Glu> Make(ffi::Buffer<ffi::F32>& gate, ffi::Buffer<ffi::F32>& up
   return job;
 }
 
-void RunRows(ffi::ThreadPool& pool, std::shared_ptr<Glu> job) {
-  const int items = int((job->rows + kRowsPerItem - 1) / kRowsPerItem);
-  gpt_oss_cpu::run_items(pool, items, [job](int i) {
-    for (int64_t r = int64_t(i) * kRowsPerItem; r < std::min(job->rows, int64_t(i + 1) * kRowsPerItem); ++r)
-      job->row(r);
-  });
-}
-
 ffi::Error GluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
                    ffi::Buffer<ffi::F32> bg, ffi::Buffer<ffi::F32> bu, ffi::Buffer<ffi::S32> e,
                    ffi::ResultBuffer<ffi::BF16> act, float limit, float alpha) {
   if (auto error = Check(gate, up, bg, bu, e); error.failure()) return error;
   auto job = Make(gate, up, bg, bu, e, limit, alpha);
   job->act = reinterpret_cast<bf16*>(act->untyped_data());
-  RunRows(pool, job);
+  gpt_oss_cpu::run_rows(pool, job->rows, kRowsPerItem, [job](int64_t r) { job->row(r); });
   return ffi::Error::Success();
 }
 
@@ -170,7 +158,7 @@ ffi::Error GluGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Bu
   job->dup = dup->typed_data();
   job->dbg = dbg->typed_data();
   job->dbu = dbu->typed_data();
-  RunRows(pool, job);
+  gpt_oss_cpu::run_rows(pool, job->rows, kRowsPerItem, [job](int64_t r) { job->row(r); });
   const int items = int((job->cols + kColumns - 1) / kColumns);
   gpt_oss_cpu::run_items(pool, items, [job](int i) { job->bias_columns(i); });
   return ffi::Error::Success();

@@ -198,4 +198,14 @@ void run_items(xla::ffi::ThreadPool& pool, int items, Run run) {
   }, [&] { return count->done.load(std::memory_order_acquire) >= items; });
 }
 
+// row(r) for each r < rows, `per_item` consecutive rows an item (run_items). `row` is
+// copied to the helpers, as run_items' `run`.
+template <class Row>
+void run_rows(xla::ffi::ThreadPool& pool, int64_t rows, int per_item, Row row) {
+  const int items = int((rows + per_item - 1) / per_item);
+  run_items(pool, items, [rows, per_item, row](int i) {
+    for (int64_t r = int64_t(i) * per_item; r < std::min(rows, int64_t(i + 1) * per_item); ++r) row(r);
+  });
+}
+
 }  // namespace gpt_oss_cpu

@@ -3,6 +3,8 @@
 
 #pragma once
 
+#include <cstdint>
+
 #include <immintrin.h>
 
 namespace gpt_oss_cpu {
@@ -24,6 +26,14 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// The first min(n, 16) lanes (none for n <= 0): the mask of a row's last, partial vector.
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
+
+// 16 bfloat16 values (their bits) widened to float32, lanes outside k zero.
+inline __m512 widen16(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
 }  // namespace gpt_oss_cpu

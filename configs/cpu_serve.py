@@ -1,8 +1,8 @@
-"""The CPU serving benchmark shape (tools/bench_engine.py, docs/PERFORMANCE.md): gpt-oss's
+"""The CPU serving benchmark shape (tools.bench_engine, docs/PERFORMANCE.md): gpt-oss's
 architecture at about 130 M parameters with gpt-oss-20b's 32 experts, top-4: hidden 512,
 4 layers, 8 query / 2 KV heads of 64, expert hidden 512, vocabulary 32,768, window 128.
 
-    python tools/bench_engine.py --config=configs/cpu_serve.py
+    python -m gpt_oss_train.tools.bench_engine --config=configs/cpu_serve.py
 
 A benchmark shape with random weights, not a model to train: the vocabulary is cut to
 32,768 (the tokenizer's ids go up to 201,088).
@@ -28,5 +28,4 @@ def get_config():
     c.dtype = "float32"  # this CPU has no fast bfloat16 matmul
     c.remat_policy = "none"
     c.moe_impl = "ragged"
-    c.attention_impl = "xla"
     return c

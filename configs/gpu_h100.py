@@ -15,7 +15,7 @@ def get_config(model: str = "gpt-oss-20b"):
     c.model.update(PRESETS[model])
     c.dtype = "bfloat16"
     c.remat_policy = "full" if model.startswith("gpt-oss") else "save_dots_no_batch"
-    c.attention_impl = "blockwise"
+    c.kernels.attention = "blockwise"
     c.moe_impl = "ragged"
     c.mesh.update(data=1, fsdp=-1, tensor=1, expert=1)
     c.train.update(

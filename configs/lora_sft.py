@@ -10,7 +10,7 @@
 
 The architecture comes from init_from; without it the adapters train on a random base
 of this shape (seed config.seed), which only checks the plumbing. The argument
-`gpt-oss-20b` / `gpt-oss-120b` gives the QLoRA setup tools/aot_compile.py checks:
+`gpt-oss-20b` / `gpt-oss-120b` gives the QLoRA setup tools.aot_compile checks:
 MXFP4 base, rank 16, sequence 2048, remat, bfloat16 compute.
 """
 

@@ -7,12 +7,12 @@ ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequen
 
 Checked from a CPU with the compiler the pod runs (libtpu 0.0.42.1, jax 0.10.2's pin;
 the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-26:
-  python tools/aot_compile.py --config=configs/tpu_v5e.py --topology=v5e:16x16
+  python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e.py --topology=v5e:16x16
   -> state 1.31 GiB, temporaries 12.90 GiB, total 14.47 GiB of 16 GiB per chip: fits.
 With expert=8 the same step needed 21.8 GiB (17.1 GiB with libtpu 0.0.52).
 Pass `:gpt-oss-120b` for the 120b shape: it fits v5p:8x8x8 (512 chips) at 49 GiB of
 95 with --config.mesh.expert=16 --config.train.global_batch_size=512 (measured with
-attention_impl=blockwise and libtpu 0.0.52).
+kernels.attention=blockwise and libtpu 0.0.52).
 """
 
 from gpt_oss_train.config import PRESETS, default_config
@@ -25,7 +25,7 @@ def get_config(model: str = "gpt-oss-20b"):
     c.param_dtype = "float32"
     c.scan_layers = True
     c.remat_policy = "full"
-    c.attention_impl = "splash"
+    c.kernels.attention = "splash"
     c.moe_impl = "sharded"
     c.mesh.update(data=1, fsdp=-1, tensor=1, expert=4)
     c.train.update(

@@ -3,8 +3,10 @@ they are (4.25 bits a weight, decoded one layer at a time inside the scan), bflo
 attention and embeddings, rank-16 adapters on attention and experts, sequence 2048,
 full remat, one sequence per chip.
 
-  python tools/aot_compile.py --config=configs/tpu_v5e_lora.py:gpt-oss-20b --topology=v5e:1x1
-  python tools/aot_compile.py --config=configs/tpu_v5e_lora.py:gpt-oss-120b --topology=v5e:2x4
+  python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e_lora.py:gpt-oss-20b \
+      --topology=v5e:1x1
+  python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e_lora.py:gpt-oss-120b \
+      --topology=v5e:2x4
 
   python -m gpt_oss_train.train --config=configs/tpu_v5e_lora.py:gpt-oss-20b --workdir=DIR \
       --config.checkpoint.init_from=/path/to/gpt-oss-20b --config.data.source=chat:FILE
@@ -30,7 +32,7 @@ def get_config(model: str = "gpt-oss-20b"):
     c.param_dtype = "float32"  # the adapters and their Adam state; the base is MXFP4/bf16
     c.scan_layers = True
     c.remat_policy = "full"
-    c.attention_impl = "splash"
+    c.kernels.attention = "splash"
     c.moe_impl = "sharded"
     c.mesh.update(data=1, fsdp=-1, tensor=1, expert=expert)
     c.lora.update(rank=16, alpha=32.0, targets="q,k,v,o,gate_up,down", base_format="mxfp4")

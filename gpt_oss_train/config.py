@@ -3,13 +3,18 @@
 A config is an `ml_collections.ConfigDict` with these parts:
 
   config.model            the architecture (what a checkpoint carries with it)
-  config.dtype ...        how to compute it (dtype, scan, remat, kernels)
+  config.dtype ...        how to compute it (dtype, scan, remat, MoE strategy)
+  config.kernels          which implementation of each operation (kernels/registry.py)
   config.mesh, mesh_dcn   device mesh sizes per axis (one may be -1)
   config.logical_axis_rules   logical array axis -> mesh axes
   config.train, config.data, config.checkpoint   the training job
 
 `configs/*.py` are thin `get_config()` files over `default_config()`; any field can be
 overridden from the command line (`--config.model.num_layers=4`).
+
+This module sits below the model: it names the choices the model's registries are keyed
+by (REMAT_POLICIES, MOE_IMPLS, LORA_TARGETS; the model checks at import that its keys are
+these) and takes the kernels' names from kernels/registry.py.
 """
 
 from __future__ import annotations
@@ -19,13 +24,11 @@ from typing import Any
 
 import ml_collections
 
+from gpt_oss_train import architecture, sharding
 from gpt_oss_train import runtime as runtime_lib
+from gpt_oss_train.architecture import PRESETS
 from gpt_oss_train.errors import ConfigError
-from gpt_oss_train.model import architecture, remat
-from gpt_oss_train.model import attention as attention_lib
-from gpt_oss_train.model import lora as lora_lib
-from gpt_oss_train.model import moe as moe_lib
-from gpt_oss_train.model.architecture import PRESETS
+from gpt_oss_train.kernels import Kernels, registry
 from gpt_oss_train.sharding import MESH_AXES
 
 # Logical axis names used by the model, and the mesh axes they shard over by default.
@@ -54,13 +57,14 @@ DEFAULT_RULES = (
     ("cache_head_dim", None),
 )
 
-# The names the config accepts are the keys of the registries that hold the code.
-REMAT_POLICIES = tuple(remat.POLICIES)
-ATTENTION_IMPLS = tuple(attention_lib.IMPLS)
-MOE_IMPLS = tuple(moe_lib.EXPERT_IMPLS)
+# The names the config accepts for the model's registries, whose keys are these:
+# model/remat.POLICIES, model/moe.EXPERT_IMPLS, model/parameters.LORA_TARGETS.
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_moe")
+MOE_IMPLS = ("dense", "ragged", "sharded")
+LORA_TARGETS = ("q", "k", "v", "o", "gate_up", "down", "router")
 DTYPES = ("float32", "bfloat16", "float16")
 # config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
-# float32 elsewhere (runtime.resolve_dtype, decided on the machine that runs); inference
+# float32 elsewhere (runtime.resolve_dtype, for the platform the program runs on); inference
 # under "auto" also keeps the weights in that dtype (inference/loading.py).
 COMPUTE_DTYPES = ("auto",) + DTYPES
 # How a LoRA run stores its frozen base: as trained (param_dtype), bfloat16, int8 with a
@@ -85,10 +89,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.param_dtype = "float32"
     c.scan_layers = True  # lax.scan over 2-layer (banded, full) blocks
     c.remat_policy = "full"  # one of REMAT_POLICIES
-    c.attention_impl = "xla"  # one of ATTENTION_IMPLS
     c.attention_block = 512  # query block of the blockwise attention
     c.moe_impl = "ragged"  # one of MOE_IMPLS
     c.seed = 0
+    # Per operation: "auto" (the platform's default), "xla" (the reference) or the name of
+    # an implementation in kernels/registry.py.
+    c.kernels = ml_collections.ConfigDict({op: registry.AUTO for op in registry.OPS})
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
     c.mesh_dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=1))
@@ -145,7 +151,7 @@ def default_config() -> ml_collections.ConfigDict:
         dict(
             rank=0,
             alpha=16.0,  # the adapters' output is scaled by alpha / rank
-            targets=lora_lib.DEFAULT_TARGETS,  # any of lora.TARGETS, comma-separated
+            targets="q,k,v,o,gate_up,down",  # any of LORA_TARGETS, comma-separated
             base_format="param_dtype",  # one of BASE_FORMATS
         )
     )
@@ -161,6 +167,55 @@ def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config() if arg is None else module.get_config(arg)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """What adapters a model carries (model/lora.py builds them). Hashable: part of the
+    (static) ModelConfig."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    adapters: int = 0  # 0: one adapter; n > 0: n stacked, chosen per batch row
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def stacked(self, n: int) -> "LoraSpec":
+        """n adapters padded to this rank with their scales folded into B (scale 1)."""
+        return dataclasses.replace(self, alpha=float(self.rank), adapters=n)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "LoraSpec":
+        return cls(int(d["rank"]), float(d["alpha"]), parse_targets(d["targets"]))
+
+
+def parse_targets(targets, field: str = "config.lora.targets") -> tuple[str, ...]:
+    """ "q,v,gate_up" (or a sequence) -> ("q", "v", "gate_up") in declaration order."""
+    names = targets.split(",") if isinstance(targets, str) else list(targets)
+    names = [n.strip() for n in names if n.strip()]
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown:
+        raise ConfigError(
+            f"{field}: unknown LoRA target {unknown[0]!r}; choose from {LORA_TARGETS}"
+        )
+    if not names:
+        raise ConfigError(f"{field}: no LoRA target given; choose from {LORA_TARGETS}")
+    return tuple(t for t in LORA_TARGETS if t in names)
+
+
+def spec_from_config(lora_config) -> LoraSpec | None:
+    """The spec `config.lora` asks for; None when LoRA is off (rank 0)."""
+    if not lora_config.rank:
+        return None
+    return LoraSpec(
+        int(lora_config.rank), float(lora_config.alpha), parse_targets(lora_config.targets)
+    )
 
 
 def model_arch(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -198,10 +253,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat_policy: str = "full"
-    attention_impl: str = "xla"
     attention_block: int = 512
     moe_impl: str = "ragged"
-    lora: lora_lib.LoraSpec | None = None  # adapters the network carries (None: none)
+    lora: LoraSpec | None = None  # adapters the network carries (None: none)
+    kernels: Kernels = Kernels()  # the implementation of each operation ("auto": platform's)
 
     @property
     def num_blocks(self) -> int:
@@ -209,13 +264,21 @@ class ModelConfig:
 
     @classmethod
     def from_config(
-        cls, config: ml_collections.ConfigDict, arch: dict | None = None
+        cls,
+        config: ml_collections.ConfigDict,
+        arch: dict | None = None,
+        platform: str | None = None,
     ) -> "ModelConfig":
+        """`arch` (default config.model) computed as `config` says, on `platform` (default:
+        sharding.platform(), the active mesh's) where "auto" choices depend on it."""
         arch = model_arch(config) if arch is None else arch
         # The other fields are the config's top-level settings of the same names.
         runtime = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
-        runtime["dtype"] = runtime_lib.resolve_dtype(config.dtype)
-        runtime["lora"] = lora_lib.spec_from_config(config.lora) if "lora" in config else None
+        runtime["dtype"] = runtime_lib.resolve_dtype(config.dtype, platform or sharding.platform())
+        runtime["lora"] = spec_from_config(config.lora) if "lora" in config else None
+        runtime["kernels"] = (
+            Kernels.from_config(config.kernels) if "kernels" in config else Kernels()
+        )
         return cls(**arch, **runtime)
 
     def replace(self, **kw) -> "ModelConfig":
@@ -233,7 +296,7 @@ def validate(config: ml_collections.ConfigDict):
     for k in config.keys():
         _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
     architecture.validate(config.model.to_dict())
-    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora"):
+    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora", "kernels"):
         defaults = default_config()[section]
         for k in config[section].keys():
             _check(
@@ -254,11 +317,8 @@ def validate(config: ml_collections.ConfigDict):
         "remat_policy",
         f"{config.remat_policy!r} is not one of {REMAT_POLICIES}",
     )
-    _check(
-        config.attention_impl in ATTENTION_IMPLS,
-        "attention_impl",
-        f"{config.attention_impl!r} is not one of {ATTENTION_IMPLS}",
-    )
+    for op, name in config.kernels.items():
+        registry.validate_choice(op, name)
     _check(config.attention_block > 0, "attention_block", "must be > 0")
     _check(
         config.moe_impl in MOE_IMPLS, "moe_impl", f"{config.moe_impl!r} is not one of {MOE_IMPLS}"
@@ -323,4 +383,4 @@ def _validate_lora(c: ml_collections.ConfigDict):
         "config.lora.rank > 0 (or base_format=param_dtype for full fine-tuning)",
     )
     if c.rank:
-        lora_lib.parse_targets(c.targets)
+        parse_targets(c.targets)

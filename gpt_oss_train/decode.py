@@ -4,9 +4,9 @@
         --output=out.jsonl [--config=configs/<name>.py] [--dtype=float32] ...
 
 --checkpoint is an Orbax checkpoint written by `train` (its workdir, the checkpoints/
-folder or one step folder) or by tools/convert_checkpoint.py, or a Hugging Face gpt-oss
+folder or one step folder) or by gpt_oss_train.tools.convert_checkpoint, or a Hugging Face gpt-oss
 folder (config.json + safetensors). The architecture always comes from the checkpoint;
---config only sets how to run it (mesh, dtype, moe_impl, attention_impl, ...). Without
+--config only sets how to run it (mesh, dtype, moe_impl, kernels, ...). Without
 --config the runtime is this file's `get_config()`, so `--config.mesh.tensor=2` works
 with no config file too.
 
@@ -61,7 +61,7 @@ import sys
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, logs, runtime
+from gpt_oss_train import errors, logs, runtime, sharding
 from gpt_oss_train.inference import adapters as adapters_lib
 from gpt_oss_train.inference import loading, requests
 from gpt_oss_train.inference.generate import SamplingParams
@@ -81,7 +81,7 @@ def _define_flags():
     errors.define_config_flag(
         "config",
         os.path.abspath(__file__),
-        "Runtime config (mesh, dtype, moe_impl, attention_impl, ...); the architecture "
+        "Runtime config (mesh, dtype, moe_impl, kernels, ...); the architecture "
         "comes from the checkpoint. Default: this file's get_config().",
     )
     flags.DEFINE_string(
@@ -315,10 +315,15 @@ def _benchmark(load, f, opts) -> int:
 
 
 def main(argv):
-    runtime.setup_process()
+    runtime.setup_process(sharding.platform())
     return errors.run_command(lambda: _run(flags.FLAGS), argv)
 
 
-if __name__ == "__main__":
+def run():
+    """The `gpt-oss-decode` console script: `python -m gpt_oss_train.decode`."""
     _define_flags()
     app.run(main, flags_parser=errors.parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,13 +1,18 @@
 """What this machine can do, and the process-wide JAX setup that follows from it.
 
 fast_bfloat16(platform)   does the hardware multiply bfloat16 natively?
-resolve_dtype(name)       config.dtype "auto" -> "bfloat16" or "float32" for this machine
-inference_compiler_options()
+resolve_dtype(name, platform)
+                          config.dtype "auto" -> "bfloat16" or "float32" there
+inference_compiler_options(platform)
                           XLA options of inference's jitted prefill and decode functions
 setup_compilation_cache() JAX's persistent compilation cache, on by default, so a
                           second run of the same command skips compiling
 reuse_freed_memory()      keep large freed buffers in the process for reuse (glibc)
-setup_process()           both: what every command (train, decode, serve, tools) runs first
+setup_process(platform)   what every command (train, decode, serve, tools) runs first:
+                          the cache, and on a CPU the reuse of freed buffers
+
+The platform is always the one of the mesh the program runs on (sharding.platform), so
+an ahead-of-time compile for a TPU on a CPU host resolves "auto" for the TPU.
 """
 
 from __future__ import annotations
@@ -42,28 +47,26 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def fast_bfloat16(platform: str | None = None, flags: frozenset[str] | None = None) -> bool:
+def fast_bfloat16(platform: str, flags: frozenset[str] | None = None) -> bool:
     """True on GPUs and TPUs, and on CPUs with AMX or AVX512-BF16 (`flags`: the CPU's,
     default read from /proc/cpuinfo)."""
-    platform = platform or jax.devices()[0].platform
     if platform != "cpu":
         return True
     return any(f in (cpu_flags() if flags is None else flags) for f in BF16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str, platform: str | None = None) -> str:
-    """A config dtype with "auto" replaced by the fastest matmul dtype here."""
+def resolve_dtype(name: str, platform: str) -> str:
+    """A config dtype with "auto" replaced by the fastest matmul dtype on `platform`."""
     if name != "auto":
         return name
     return "bfloat16" if fast_bfloat16(platform) else "float32"
 
 
-def inference_compiler_options(platform: str | None = None) -> dict:
+def inference_compiler_options(platform: str) -> dict:
     """On a CPU, no while-loop-invariant code motion: XLA:CPU hoists the conversion or
     bit copy of a bfloat16 weight stack that a loop slices out of its loops, so each
     prefill chunk copied every expert of every layer before computing (docs/PERFORMANCE.md,
-    "Ninth session"); with the pass off only the slices used are read. Elsewhere none."""
-    platform = platform or jax.devices()[0].platform
+    "What XLA:CPU does slowly"); with the pass off only the slices used are read. Elsewhere none."""
     if platform != "cpu":
         return {}
     return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
@@ -114,7 +117,7 @@ def reuse_freed_memory() -> bool:
     threshold) with mmap and unmaps it when freed, so a CPU training step's large
     temporaries (a 32-expert layer's weight gradient is 75 MB at the benchmark's shape)
     were faulted in and zeroed page by page on every step, which doubled the time of a
-    weight-gradient kernel (docs/PERFORMANCE.md, "Tenth session"). Bigger buffers
+    weight-gradient kernel (docs/PERFORMANCE.md, "Page faults"). Bigger buffers
     (checkpoint shards) still go back to the system. Returns whether the setting took."""
     if platform_lib.system() != "Linux" or platform_lib.libc_ver()[0] != "glibc":
         return False
@@ -126,8 +129,10 @@ def reuse_freed_memory() -> bool:
         return False
 
 
-def setup_process() -> None:
-    """What every command runs before its work: JAX's persistent compilation cache and
-    the reuse of large freed buffers."""
+def setup_process(platform: str) -> None:
+    """What every command runs before its work: JAX's persistent compilation cache and,
+    where the program runs on a CPU, the reuse of large freed buffers (a CPU workaround:
+    an accelerator's buffers are not the host heap's)."""
     setup_compilation_cache()
-    reuse_freed_memory()
+    if platform == "cpu":
+        reuse_freed_memory()

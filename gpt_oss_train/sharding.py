@@ -179,16 +179,20 @@ def active() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 
 
-def device() -> jax.Device:
-    """A device of the computation being traced: the active mesh's (which, when compiling
-    ahead of time for a TPU topology, are the target's devices), else the default one.
-    Back-ends that pick a kernel by platform ask this, not jax.devices()."""
+def device(mesh: Mesh | None = None) -> jax.Device:
+    """A device of the computation being traced: `mesh`'s, else the active mesh's (which,
+    when compiling ahead of time for a TPU topology, are the target's devices), else the
+    default one."""
     ctx = _ACTIVE.get()
-    return ctx[0].devices.flat[0] if ctx is not None else jax.devices()[0]
+    if mesh is None and ctx is not None:
+        mesh = ctx[0]
+    return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
 
 
-def platform() -> str:
-    return device().platform
+def platform(mesh: Mesh | None = None) -> str:
+    """The platform a program runs on ("cpu", "gpu", "tpu"): the one place it is read.
+    Kernel choices, dtype resolution and process setup all ask this, not jax.devices()."""
+    return device(mesh).platform
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

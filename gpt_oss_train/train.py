@@ -30,11 +30,10 @@ import time
 import jax
 from absl import app, flags, logging
 
+from gpt_oss_train import architecture, errors, hardware, logs, runtime, sharding
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import errors, hardware, logs, runtime
 from gpt_oss_train.errors import ConfigError, RunStopped
 from gpt_oss_train.io import storage, workdir_lock
-from gpt_oss_train.model import architecture
 from gpt_oss_train.sharding import initialize_distributed
 from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
@@ -63,7 +62,7 @@ def resolve_architecture(config) -> dict:
     elif storage.is_remote(src):
         raise ConfigError(
             f"config.checkpoint.init_from: {src} is not an Orbax checkpoint; a Hugging Face "
-            "folder is read from local disk (or convert it with tools/convert_checkpoint.py)"
+            "folder is read from local disk (or convert it: python -m gpt_oss_train.tools.convert_checkpoint)"
         )
     elif os.path.exists(os.path.join(src, "config.json")):
         arch = hf.HFCheckpoint(src).model_config
@@ -123,7 +122,7 @@ class StepLogger:
         self.t, self.writer, self.start = t, writer, start
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.flops_per_token = flops_lib.training_flops_per_token(setup.model_cfg, t.seq_len)
-        kind = jax.devices()[0].device_kind
+        kind = sharding.device(setup.mesh).device_kind
         self.peak = hardware.peak_flops(kind, t.peak_flops_per_device or None)
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.losses: dict[int, float] = {}
@@ -223,6 +222,7 @@ def _prepare_locked(config, workdir: str, devices, lock) -> Run:
     )
     lora_training.check_workdir(ckpt, setup)
     state, meta = initial_state(setup, ckpt, pipeline)
+    logging.info("%s", setup.model_cfg.kernels.describe(sharding.platform(setup.mesh)))
     return Run(setup, ckpt, pipeline, state, workdir, lock, meta)
 
 
@@ -394,8 +394,8 @@ def train(config, workdir: str, devices=None) -> dict:
 def main(argv):
     del argv
     logs.quiet_library_logs()
-    runtime.setup_process()
-    initialize_distributed()
+    initialize_distributed()  # before anything asks JAX for its devices
+    runtime.setup_process(sharding.platform())
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required: where checkpoints and metrics go")
     try:
@@ -412,5 +412,10 @@ def main(argv):
         print(f"tensorboard: tensorboard --logdir {summary['tensorboard']}")
 
 
-if __name__ == "__main__":
+def run():
+    """The `gpt-oss-train` console script: `python -m gpt_oss_train.train`."""
     app.run(main, flags_parser=errors.parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -23,7 +23,7 @@ gc() { gcloud compute tpus tpu-vm "$@" --zone="$ZONE" --project="$PROJECT"; }
 gc scp "$tarball" "$TPU_NAME:/tmp/gpt_oss_train.tgz" --worker=all
 cmd=$(printf '%q ' "$@")
 # The MoE's grouped-matmul backward needs a little more on-chip scratch than libtpu's
-# default 16 MiB at gpt-oss sizes (tools/aot_compile.py reports it); 64 MiB is safe.
+# default 16 MiB at gpt-oss sizes (gpt_oss_train.tools.aot_compile reports it); 64 MiB is safe.
 libtpu_args=${LIBTPU_INIT_ARGS:---xla_tpu_scoped_vmem_limit_kib=65536}
 # Runs on each worker. $$ is the remote shell: ssh makes it a session (and group) leader,
 # so its group is exactly this launch's processes.

@@ -1,6 +1,8 @@
 """Every test runs on the CPU with 8 fake devices, so meshes of up to 8 can be tested, and
 with the Hugging Face hub switched off: the suite never downloads anything."""
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -14,7 +16,7 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ["HF_HUB_OFFLINE"] = "1"
-# One persistent compilation cache for the session, subprocesses included: many tests build
+# One persistent compilation cache for the test run, subprocesses included: many tests build
 # the same tiny train step (several runs of one config, a CLI run and its resume).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
@@ -25,10 +27,109 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# A developer's serving key would make every test server ask for it.
+os.environ.pop("GPT_OSS_TRAIN_API_KEY", None)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Builders shared by several test modules: fixtures, so no test module imports another.
+
+
+def _cpu_kernel_reason(name: str) -> str | None:
+    """None where kernels/cpu/<name>.py can run here (built now, or found built), else why
+    not. Called from fixtures and the summary, never at collection: collecting the tests
+    compiles nothing."""
+    import importlib
+
+    return importlib.import_module(f"gpt_oss_train.kernels.cpu.{name}").unavailable()
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel():
+    """require(name) -> the module gpt_oss_train.kernels.cpu.<name>, built; the test is
+    skipped with the reason ("no avx512_bf16", "no C++ compiler", ...) where it cannot run."""
+    import importlib
+
+    def require(name: str):
+        reason = _cpu_kernel_reason(name)
+        if reason:
+            pytest.skip(f"CPU kernel {name}: {reason}")
+        return importlib.import_module(f"gpt_oss_train.kernels.cpu.{name}")
+
+    return require
+
+
+# ----------------------------------------------------------------------------- tiers
+#
+# The default tier (`python -m pytest`) checks the numbers (against transformers, PEFT,
+# float64), the model, the MoE, the loss, every kernel at small shapes, config errors, one
+# train + resume and one server round trip, in minutes. Tests marked `full` (whole modules:
+# multi-process jobs, the GCS emulator, server load, the trained Harmony model, LoRA
+# training, AOT; single tests that take tens of seconds) run with `--full` too.
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", help="also run the full tier (tests marked `full`)"
+    )
+
+
+# Fixtures whose tests are in the full tier wherever they are: a GCS emulator process, a
+# model trained for minutes.
+FULL_TIER_FIXTURES = ("gcs_bucket", "harmony_checkpoint")
+
+
+def _full_tier(item) -> bool:
+    fixtures = getattr(item, "fixturenames", ())
+    return item.get_closest_marker("full") is not None or any(
+        f in fixtures for f in FULL_TIER_FIXTURES
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if _full_tier(item)]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not _full_tier(item)]
+    config._gpt_oss_train_full_tier = len(full)
+    if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
+        config.workeroutput["full_tier"] = len(full)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: each worker collected every test, so each tells the same count."""
+    count = getattr(node, "workeroutput", {}).get("full_tier")
+    if count is not None:
+        node.config._gpt_oss_train_full_tier = count
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Which tier ran; which CPU kernels this machine built (and so the tests ran) and
+    which it could not, with why. Tests that needed a missing kernel are in the skip list
+    above with the reason."""
+    from gpt_oss_train.kernels.cpu import SOURCES
+
+    left = getattr(config, "_gpt_oss_train_full_tier", 0)
+    terminalreporter.write_sep("-", "test tier")
+    if config.getoption("--full"):
+        terminalreporter.write_line("full tier (--full): every test")
+    else:
+        terminalreporter.write_line(f"default tier: {left} tests of the full tier not run "
+                                    "(python -m pytest --full runs them)")  # fmt: skip
+    if config.option.collectonly:
+        return  # collecting builds nothing
+
+    built, missing = [], []
+    for name in SOURCES:
+        reason = _cpu_kernel_reason(name)
+        (missing.append(f"{name} ({reason})") if reason else built.append(name))
+    terminalreporter.write_sep("-", "CPU kernels")
+    terminalreporter.write_line(f"built and tested: {', '.join(built) or 'none'}")
+    terminalreporter.write_line(f"not available here (XLA reference tested instead): "
+                                f"{', '.join(missing) or 'none'}")  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +236,7 @@ def _dequant_ref(blocks, scales):
 @pytest.fixture(scope="session")
 def mxfp4_reference():
     """(fp4(code) -> float, dequantize(blocks, scales) -> float64 [..., in, out]): MXFP4
-    decoded from the OCP spec's bit fields by loops, independent of io/mxfp4.py."""
+    decoded from the OCP spec's bit fields by loops, independent of arrays/mxfp4.py."""
     return _fp4, _dequant_ref
 
 
@@ -179,23 +280,18 @@ def train_cli():
 
 @pytest.fixture(scope="session")
 def pretokenized_corpus(tmp_path_factory):
-    """A folder written by tools/pretokenize.py from 80 files of Python's standard library
-    (a few hundred thousand tokens), in-process."""
-    import importlib.util
+    """A folder written by gpt_oss_train.tools.pretokenize from 80 files of Python's standard
+    library (a few hundred thousand tokens), in-process."""
     import shutil
 
+    from gpt_oss_train.tools import pretokenize
     from gpt_oss_train.training import sources
 
     corpus = tmp_path_factory.mktemp("corpus")
     for i, path in enumerate(sources._stdlib_files()[:80]):
         shutil.copy(path, corpus / f"{i:03d}.py")
-    spec = importlib.util.spec_from_file_location(
-        "pretokenize", os.path.join(ROOT, "tools", "pretokenize.py")
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     out = tmp_path_factory.mktemp("pretokenized") / "stdlib80"
-    tool.pretokenize(str(corpus), str(out), shard_size=30)
+    pretokenize.pretokenize(str(corpus), str(out), shard_size=30)
     return str(out)
 
 
@@ -267,19 +363,18 @@ def expert_ffn_reference():
     return _expert_ffn
 
 
-def _run_tool_json(script: str, *args: str) -> list[dict]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def _run_tool_json(name: str, *args: str) -> list[dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    cmd = [sys.executable, f"tools/{script}", *args]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", f"gpt_oss_train.tools.{name}", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="session")
 def run_tool_json():
-    """run(script, *args) -> the JSON records tools/<script> prints, run on the CPU as a
-    user would (a subprocess); fails the test on a non-zero exit."""
+    """run(name, *args) -> the JSON records `python -m gpt_oss_train.tools.<name>` prints,
+    run on the CPU as a user would (a subprocess); fails the test on a non-zero exit."""
     return _run_tool_json
 
 
@@ -292,26 +387,38 @@ def harmony_checkpoint():
     return harmony_model.cached()
 
 
-@pytest.fixture(scope="session")
-def harmony_server(harmony_checkpoint):
-    """The HTTP server (in a thread, on a free loopback port) over an engine on the
-    harmony_checkpoint model, float32, served as "tiny-harmony"; `.url` is its address."""
+@contextlib.contextmanager
+def _harmony_served(checkpoint, *, max_slots, max_context, model_name="tiny-harmony", **app):
+    """The HTTP server (in a thread, on a free loopback port) over a float32 engine on
+    `checkpoint`; `app`: create_app's other options (api_key, ...)."""
     from gpt_oss_train.inference.engine import Engine
     from gpt_oss_train.inference.server.app import create_app
     from gpt_oss_train.inference.server.local import ThreadServer
     from gpt_oss_train.io import tokenizer as tok_lib
 
     engine = Engine.from_checkpoint(
-        harmony_checkpoint, dtype="float32", max_slots=4, max_context=512, prefill_chunk=64
-    )
+        checkpoint, dtype="float32", max_slots=max_slots, max_context=max_context,
+        prefill_chunk=64,
+    )  # fmt: skip
     engine.start()
-    app = create_app(
-        engine,
-        tokenizer=tok_lib.Tokenizer(),
-        model_name="tiny-harmony",
-        max_context=512,
-        vocab_size=tok_lib.VOCAB_SIZE,
-    )
-    with ThreadServer(app) as server:
+    app = create_app(engine, tokenizer=tok_lib.Tokenizer(), model_name=model_name,
+                     max_context=max_context, vocab_size=tok_lib.VOCAB_SIZE, **app)  # fmt: skip
+    try:
+        with ThreadServer(app) as server:
+            yield server
+    finally:
+        engine.stop(0)
+
+
+@pytest.fixture(scope="session")
+def serve_harmony(harmony_checkpoint):
+    """serve(max_slots=, max_context=, model_name=, **create_app options) -> a context
+    manager serving the harmony_checkpoint model; `.url` is its address."""
+    return functools.partial(_harmony_served, harmony_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def harmony_server(serve_harmony):
+    """The harmony_checkpoint model served as "tiny-harmony", 4 slots of 512 positions."""
+    with serve_harmony(max_slots=4, max_context=512) as server:
         yield server
-    engine.stop(0)

@@ -1,4 +1,5 @@
-"""tools/aot_compile.py: the real train step compiled for a TPU slice on this CPU machine.
+"""gpt_oss_train.tools.aot_compile: the real train step compiled for a TPU slice on this CPU
+machine.
 
 Needs libtpu (the `tpu` extra), which CI does not install: skipped without it.
 """
@@ -10,12 +11,14 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.full  # ahead-of-time compiles for TPU topologies
+
 pytest.importorskip("libtpu", reason="libtpu not installed (pip install -e '.[tpu]')")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A tiny model with the TPU config's sharding and MoE path, on a 2x2 v5e slice (4 chips:
-# fsdp 2 x expert 2). XLA attention: tools/aot_compile.py compiles whatever the config
+# fsdp 2 x expert 2). XLA attention: aot_compile compiles whatever the config
 # names, and the tiny shapes are what keeps this test at ~20 s.
 TINY = [
     "--config.model.num_layers=2",
@@ -29,7 +32,7 @@ TINY = [
     "--config.mesh.expert=2",
     "--config.train.global_batch_size=4",
     "--config.train.seq_len=128",
-    "--config.attention_impl=xla",
+    "--config.kernels.attention=xla",
 ]
 
 
@@ -39,7 +42,8 @@ def _run(tmp_path, *extra):
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "tools", "aot_compile.py"),
+            "-m",
+            "gpt_oss_train.tools.aot_compile",
             "--config=configs/tpu_v5e.py",
             "--topology=v5e:2x2",
             f"--json={out}",
@@ -89,10 +93,8 @@ def test_multi_slice_mesh_splits_physical_axes():
     # fsdp=8 x expert=2 on a 4x4 slice needs a physical axis split (8 = 4 x 2); the data
     # axis must run across the two slices, so only gradients cross the slow links.
     code = """
-import sys
-sys.path.insert(0, "tools")
-import aot_compile
 from gpt_oss_train import sharding
+from gpt_oss_train.tools import aot_compile
 devices = aot_compile.topology_devices("v5e:4x4", num_slices=2)
 mesh = sharding.make_mesh(dict(data=1, fsdp=8, tensor=1, expert=2),
                           dict(data=2, fsdp=1, tensor=1, expert=1), devices=devices)

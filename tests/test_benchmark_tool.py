@@ -1,9 +1,13 @@
-"""tools/benchmark.py as a user runs it: one JSON record per measurement."""
+"""gpt_oss_train.tools.benchmark as a user runs it: one JSON record per measurement."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+pytestmark = pytest.mark.full  # the benchmark tool end to end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -13,7 +17,8 @@ def run(*args):
     r = subprocess.run(
         [
             sys.executable,
-            "tools/benchmark.py",
+            "-m",
+            "gpt_oss_train.tools.benchmark",
             "--config=configs/cpu_tiny.py",
             "--config.train.global_batch_size=2",
             "--config.train.seq_len=16",

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpt_oss_train import runtime
-from gpt_oss_train.model import bit_moves, kv_cache
+from gpt_oss_train.arrays import bit_moves
+from gpt_oss_train.model import kv_cache
 
 
 def _whole_arrays(hlo: str, shape) -> list[str]:

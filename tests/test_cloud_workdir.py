@@ -20,6 +20,8 @@ from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import sources
 
+pytestmark = pytest.mark.full  # the GCS emulator
+
 
 def run(config, workdir):
     return train_lib.train(config, str(workdir), devices=jax.devices()[:1])
@@ -112,7 +114,7 @@ def test_pretokenized_data_in_a_bucket_gives_the_same_batches(pretokenized_corpu
     for _ in range(3):
         a, b = next(here), next(there)
         assert all(np.array_equal(a[k], b[k]) for k in data_lib.BATCH_KEYS)
-    with pytest.raises(sources.DataError, match="only folders written by tools/pretokenize.py"):
+    with pytest.raises(sources.DataError, match="only folders written by gpt_oss_train.tools"):
         sources.make_source(f"{gcs_dir}/some_text")
 
 

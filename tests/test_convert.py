@@ -1,19 +1,21 @@
-"""tools/convert_checkpoint.py end to end, as a user runs it (a subprocess per command)."""
+"""gpt_oss_train.tools.convert_checkpoint end to end, as a user runs it (a subprocess per
+command)."""
 
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 from safetensors import safe_open
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.full  # checkpoint conversion round trips
 
 
 def run_tool(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *args],
+        [sys.executable, "-m", "gpt_oss_train.tools.convert_checkpoint", *args],
         capture_output=True,
         text=True,
         env=env,

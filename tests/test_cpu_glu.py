@@ -1,23 +1,26 @@
-"""The experts' gated activation kernels (model/cpu_kernels/glu.cc) against numpy in
+"""The experts' gated activation kernels (kernels/cpu/glu.cc) against numpy in
 float64: the bfloat16 activation, and the gradients of gate, up and both biases (the
 per-expert sums) by the hand-derived formulas, on rows of unsorted experts, an expert
 with no rows, widths that are not a multiple of a vector, and values exactly at the
 limits (where min and clip pass half the gradient, as autodiff does); and the MoE layer
-taking it (model/moe.py) against the XLA activation."""
+taking it (model/moe.py, through the kernel registry) against the XLA activation."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpt_oss_train.kernels import Kernels
 from gpt_oss_train.model import moe
-from gpt_oss_train.model.cpu_kernels import glu as kernel
-
-pytestmark = pytest.mark.skipif(
-    not kernel.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler"
-)
 
 LIMIT, ALPHA = 7.0, 1.702
+
+
+@pytest.fixture
+def kernel(cpu_kernel):
+    """kernels/cpu/glu.py, built (skips where this CPU or machine cannot: AVX512-BF16 and
+    a C++ compiler)."""
+    return cpu_kernel("glu")
 
 
 def _step(x, hi):
@@ -26,7 +29,7 @@ def _step(x, hi):
 
 
 @pytest.mark.parametrize("rows,width,experts", [(37, 21, 5), (64, 48, 3), (1, 1, 1)])
-def test_glu_and_gradients_match_float64(rows, width, experts):
+def test_glu_and_gradients_match_float64(rows, width, experts, kernel):
     rng = np.random.default_rng(rows + width)
     gate = (rng.standard_normal((rows, width)) * 5).astype(np.float32)
     up = (rng.standard_normal((rows, width)) * 5).astype(np.float32)
@@ -38,8 +41,11 @@ def test_glu_and_gradients_match_float64(rows, width, experts):
     dact = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
 
     act, vjp = jax.vjp(
-        lambda *a: kernel.glu(*a, jnp.asarray(e), limit=LIMIT, alpha=ALPHA), gate, up, bg, bu
-    )
+        lambda *a: kernel.gated_activation(
+            *a, jnp.asarray(e), limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16
+        ),
+        gate, up, bg, bu,
+    )  # fmt: skip
     dgate, dup, dbg, dbu = vjp(dact)
 
     g = gate.astype(np.float64) + bg[e]
@@ -63,23 +69,27 @@ def test_glu_and_gradients_match_float64(rows, width, experts):
     np.testing.assert_allclose(dbu, ref_dbu, atol=scale(ref_dbu))
 
 
-def test_bfloat16_biases_are_widened_and_get_bfloat16_gradients():
+def test_bfloat16_biases_are_widened_and_get_bfloat16_gradients(kernel):
     """Inference's bfloat16 biases: the same activation as their float32 values give, and
     gradients in their dtype."""
     rng = np.random.default_rng(1)
     gate, up = (rng.standard_normal((10, 16)).astype(np.float32) for _ in range(2))
     bg, bu = (jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16) for _ in range(2))
     e = jnp.asarray(rng.integers(0, 3, 10), jnp.int32)
-    run = lambda bg, bu: kernel.glu(gate, up, bg, bu, e, limit=LIMIT, alpha=ALPHA)
-    assert kernel.applies(jnp.asarray(gate), bg, jnp.bfloat16)
+    glu = dict(limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16)
+    run = lambda bg, bu: kernel.gated_activation(gate, up, bg, bu, e, **glu)
+    assert kernel.accepts(jnp.asarray(gate), jnp.asarray(up), bg, bu, e, **glu)
     np.testing.assert_array_equal(run(bg, bu), run(bg.astype(jnp.float32), bu.astype(jnp.float32)))
     dbg, dbu = jax.grad(lambda bg, bu: jnp.sum(run(bg, bu).astype(jnp.float32)), (0, 1))(bg, bu)
     assert dbg.dtype == dbu.dtype == jnp.bfloat16
 
 
-def test_moe_layer_takes_the_kernel_and_matches_xla():
-    """grouped_experts in bfloat16 (the kernel) against the same layer with the kernel
-    turned off (XLA's activation): outputs and gradients of x and every expert weight."""
+def test_moe_layer_takes_the_kernel_and_matches_xla(kernel):
+    """grouped_experts in bfloat16 (the kernel) against the same layer with the
+    activation's reference chosen (Kernels.of(gated_activation="xla"), XLA's activation,
+    the other kernels as they were): outputs and gradients of x and every expert weight."""
+    assert Kernels().impl("gated_activation").name == "cpu"
+    xla = Kernels.of(gated_activation="xla")
     rng = np.random.default_rng(0)
     t, d, f, n, k = 24, 32, 48, 6, 2
     w = moe.ExpertWeights(
@@ -89,19 +99,17 @@ def test_moe_layer_takes_the_kernel_and_matches_xla():
     x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
     weights, idx, _ = moe.route(x, jnp.asarray(rng.standard_normal((d, n))), jnp.zeros(n), k)
 
-    def loss(x, w):
-        y = moe.grouped_experts(x, weights, idx, w, limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16)
+    def loss(x, w, kernels=Kernels()):
+        y = moe.grouped_experts(x, weights, idx, w, limit=LIMIT, alpha=ALPHA, dtype=jnp.bfloat16,
+                                kernels=kernels)  # fmt: skip
         return jnp.sum(y * jnp.cos(y))
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     assert kernel.GRAD_TARGET in grad.lower(x, w).as_text()
     value, (dx, dw) = grad(x, w)
-    original = kernel.available
-    kernel.available = lambda: False
-    try:
-        ref_value, (ref_dx, ref_dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
-    finally:
-        kernel.available = original
+    ref_grad = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, xla), argnums=(0, 1)))
+    assert kernel.TARGET not in ref_grad.lower(x, w).as_text()
+    ref_value, (ref_dx, ref_dw) = ref_grad(x, w)
     np.testing.assert_allclose(value, ref_value, rtol=1e-2)
     for a, b in zip([dx, *dw[:6]], [ref_dx, *ref_dw[:6]]):
         np.testing.assert_allclose(a, b, atol=2e-2 * np.abs(b).max())

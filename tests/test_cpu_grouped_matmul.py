@@ -1,4 +1,4 @@
-"""The AVX512-BF16 grouped matmul kernels (model/cpu_kernels/grouped_matmul.cc) against
+"""The AVX512-BF16 grouped matmul kernels (kernels/cpu/grouped_matmul.cc) against
 numpy in float64: the forward, the transposed product the backward's dx uses and the
 per-group weight gradient, on groupings that reach every branch of their bookkeeping
 (empty groups first, in the middle and last; one group holding every row; odd group
@@ -16,13 +16,16 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model import grouped_matmul as gm
-from gpt_oss_train.model import streamed_weights
-from gpt_oss_train.model.cpu_kernels import grouped_matmul as kernel
+from gpt_oss_train.arrays.layer_views import LayerView
+from gpt_oss_train.kernels import Kernels
 
-pytestmark = pytest.mark.skipif(
-    not kernel.available(), reason="needs a CPU with AVX512-BF16 and a C++ compiler"
-)
+
+@pytest.fixture
+def kernel(cpu_kernel):
+    """kernels/cpu/grouped_matmul.py, built (skips where this CPU or machine cannot:
+    AVX512-BF16 and a C++ compiler)."""
+    return cpu_kernel("grouped_matmul")
+
 
 # (group sizes, rows, K, N)
 CASES = [
@@ -59,7 +62,7 @@ def _close(got, want):
 
 @pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("sizes,rows,k,n", CASES)
-def test_products_equal_float64(sizes, rows, k, n, wdtype):
+def test_products_equal_float64(sizes, rows, k, n, wdtype, kernel):
     rng = np.random.RandomState(rows + k + n)
     x, w, dy = rng.randn(rows, k), rng.randn(len(sizes), k, n), rng.randn(rows, n)
     xb, dyb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16)
@@ -71,25 +74,29 @@ def test_products_equal_float64(sizes, rows, k, n, wdtype):
     _close(grad(xb, dyb, gs), dw)
 
 
-def test_a_layer_of_a_stack_is_read_in_place():
+def test_a_layer_of_a_stack_is_read_in_place(kernel):
     rng = np.random.RandomState(0)
     sizes, x = [3, 0, 6, 1], rng.randn(12, 24)
     stack = rng.randn(3, len(sizes), 24, 40)
-    view = streamed_weights.LayerView(jnp.asarray(stack, jnp.bfloat16), jnp.asarray(2, jnp.int32))
+    view = LayerView(jnp.asarray(stack, jnp.bfloat16), jnp.asarray(2, jnp.int32))
     got = jax.jit(kernel.grouped_matmul)(jnp.asarray(x, jnp.bfloat16), view, jnp.array(sizes))
     want, _, _ = _reference(_bf16(x), _bf16(stack[2]), sizes, np.zeros((12, 40)))
     _close(got, want)
 
 
-def test_training_takes_the_kernels_and_their_gradients_match():
+def test_training_takes_the_kernels_and_their_gradients_match(kernel):
     """bfloat16 rows take the kernels (float32 master weights too), forward and backward;
     dx comes back in x's dtype and dW in w's, as the tiled kernel returns them."""
     rng = np.random.RandomState(1)
     sizes, x, w, dy = [0, 17, 3, 0, 20, 0], rng.randn(40, 8), rng.randn(6, 8, 6), rng.randn(40, 6)
     xb, wj, gs = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.float32), jnp.array(sizes)
-    assert gm.kernel_for(xb, wj) == "cpu_bf16"
-    assert gm.kernel_for(xb.astype(jnp.float32), wj) == "tiled"
-    f = lambda x, w: gm.grouped_matmul(x, w, gs)
+    impl = Kernels().impl("grouped_matmul")
+    assert impl.name == "cpu"
+    assert impl.takes(xb, wj, gs)
+    assert not impl.takes(xb.astype(jnp.float32), wj, gs)  # float32 rows: the tiled reference
+    f = lambda x, w: Kernels().grouped_matmul(x, w, gs)
+    text = jax.jit(jax.vjp(f, xb, wj)[1]).lower(jnp.asarray(dy, jnp.float32)).as_text()
+    assert kernel.TARGET in text and kernel.WEIGHT_GRAD_TARGET in text
     y, vjp = jax.vjp(f, xb, wj)
     dx, dw = vjp(jnp.asarray(dy, jnp.float32))
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, jnp.float32)
@@ -99,14 +106,25 @@ def test_training_takes_the_kernels_and_their_gradients_match():
     _close(dw, want[2])
 
 
-def test_a_mesh_of_several_devices_keeps_the_tiled_kernel():
-    x, w = jnp.ones((6, 8), jnp.bfloat16), jnp.ones((3, 8, 4), jnp.bfloat16)
+def test_a_mesh_of_several_devices_keeps_the_tiled_kernel(kernel):
+    """Under a mesh of several devices the kernel declines (XLA would gather a custom
+    call's operands onto every device) and the tiled reference computes the product."""
+    x = jnp.ones((6, 8), jnp.bfloat16)
+    w = jnp.arange(1, 4, dtype=jnp.bfloat16)[:, None, None] * jnp.ones((3, 8, 4), jnp.bfloat16)
+    sizes = jnp.array([2, 0, 3], jnp.int32)  # group 1 empty, row 5 past the groups
+    run = jax.jit(lambda x, w: Kernels().grouped_matmul(x, w, sizes))
+    assert kernel.accepts(x, w, sizes) and kernel.TARGET in run.lower(x, w).as_text()
     mesh = sharding.make_mesh(dict(data=1, fsdp=4, tensor=1, expert=2))
     with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
-        assert gm.kernel_for(x, w) == "tiled"
+        assert not kernel.accepts(x, w, sizes)
+        assert kernel.TARGET not in run.lower(x, w).as_text()
+        y = run(x, w)
+    want = np.repeat([[8.0], [24.0], [0.0]], [2, 3, 1], axis=0) * np.ones(4)  # 8 * (g + 1)
+    np.testing.assert_array_equal(np.asarray(y), want)
 
 
-def test_training_reads_expert_stacks_in_place_with_the_same_gradients(monkeypatch):
+@pytest.mark.full
+def test_training_reads_expert_stacks_in_place_with_the_same_gradients(monkeypatch, kernel):
     """A bfloat16 model's training step hands the experts TrainingViews: the kernels read
     each layer from its stack, so the compiled step slices no expert layer off (the
     copy XLA made per layer), and the gradients are those of the plain slices, bit for
@@ -136,7 +154,7 @@ def test_training_reads_expert_stacks_in_place_with_the_same_gradients(monkeypat
     step = jax.jit(jax.grad(loss))
     assert expert_slices(step) == 0
     in_place = step(params)
-    monkeypatch.setattr(kernel, "reads_in_training", lambda dtype, stack: False)
+    monkeypatch.setattr(kernel, "reads_in_place", lambda dtype, stack: False)
     step = jax.jit(jax.grad(loss))
     assert expert_slices(step) > 0
     for a, b in zip(jax.tree.leaves(in_place), jax.tree.leaves(step(params))):

@@ -1,9 +1,9 @@
-"""The CPU self-attention kernel (model/cpu_kernels/self_attention.cc) against attention
+"""The CPU self-attention kernel (kernels/cpu/self_attention.cc) against attention
 written out in numpy float64: outputs and the gradients of q, k, v and the sinks, on
 sequences that are not multiples of its 64-query blocks, causal and banded layers, packed
 rows (two segments), padding queries and keys (position -1), a query that sees nothing
 but its sink, several query heads per KV head, float32 and bfloat16 operands. Then the
-dispatch: attention() takes it for self-attention on one CPU device and keeps XLA's
+dispatch: the registry's `attention` op takes it on one CPU device and keeps XLA's
 attention under a mesh of several devices."""
 
 import jax
@@ -13,17 +13,19 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model import attention as attn_lib
-from gpt_oss_train.model.cpu_kernels import self_attention as kernel
+from gpt_oss_train.kernels import Kernels
 
-pytestmark = pytest.mark.skipif(
-    not kernel.available(), reason="needs a CPU with AVX-512 and a C++ compiler"
-)
+
+@pytest.fixture
+def kernel(cpu_kernel):
+    """kernels/cpu/self_attention.py, built (skips where this CPU or machine cannot:
+    AVX-512 and a C++ compiler)."""
+    return cpu_kernel("self_attention")
 
 
 def _reference(q, k, v, sinks, pos, seg, window, dout):
     """Forward and gradients in float64, written out from the definition (the module
-    docstring of model/attention.py)."""
+    docstring of kernels/xla/attention.py)."""
     b, s, n, h = q.shape
     g = n // k.shape[2]
     out, dq, dk, dv, dsinks = (np.zeros_like(q), np.zeros_like(q), np.zeros_like(k),
@@ -75,7 +77,7 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("b,s,n,kh,h,window,layout", CASES)
-def test_forward_and_gradients_equal_float64(b, s, n, kh, h, window, layout, dtype):
+def test_forward_and_gradients_equal_float64(b, s, n, kh, h, window, layout, dtype, kernel):
     rng = np.random.default_rng(s)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
                for shape in ((b, s, n, h), (b, s, kh, h), (b, s, kh, h)))  # fmt: skip
@@ -86,7 +88,8 @@ def test_forward_and_gradients_equal_float64(b, s, n, kh, h, window, layout, dty
         pos[1, 0] = -1  # a padding query first: it sees no key, only its sink -> 0
 
     def loss(q, k, v, sinks):
-        out = kernel.self_attention(q, k, v, sinks, jnp.asarray(pos), jnp.asarray(seg), window)
+        layout = dict(positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg))
+        out = kernel.self_attention(q, k, v, sinks, **layout, window=window, block=64)
         return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
     grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
@@ -102,11 +105,13 @@ def test_forward_and_gradients_equal_float64(b, s, n, kh, h, window, layout, dty
 
 
 def _attend(q, k, v, sinks, pos, window):
-    return attn_lib.attention(q, k, v, sinks, q_pos=pos, k_pos=pos, window=window,
-                              impl="xla", self_attention=True)  # fmt: skip
+    """The model's call: the `attention` op, "auto" (the CPU kernel on a CPU)."""
+    seg = jnp.ones_like(pos)
+    return Kernels().attention(q, k, v, sinks, positions=pos, segment_ids=seg, window=window)
 
 
-def test_attention_takes_the_kernel_on_one_device_and_xla_under_a_mesh():
+def test_attention_takes_the_kernel_on_one_device_and_xla_under_a_mesh(kernel):
+    assert Kernels().impl("attention").name == "cpu"
     rng = np.random.default_rng(0)
     b, s, n, kh, h = 8, 40, 4, 2, 16
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -118,7 +123,9 @@ def test_attention_takes_the_kernel_on_one_device_and_xla_under_a_mesh():
     one = jax.jit(lambda *a: _attend(*a, pos, 16))(q, k, v, sinks)
     mesh = sharding.make_mesh(dict(data=8, fsdp=1, tensor=1, expert=1))
     with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
-        assert mesh.size > 1 and not kernel.applies(q, k)
+        assert mesh.size > 1 and not kernel.accepts(
+            q, k, v, sinks, positions=pos, segment_ids=jnp.ones_like(pos), window=16, block=512
+        )
         lowered = jax.jit(lambda *a: _attend(*a, pos, 16)).lower(q, k, v, sinks).as_text()
         assert kernel.TARGET not in lowered
         several = jax.jit(lambda *a: _attend(*a, pos, 16))(q, k, v, sinks)

@@ -1,4 +1,4 @@
-"""Tests of gpt_oss_train.training.data and .sources, and tools/pretokenize.py: sources,
+"""Tests of gpt_oss_train.training.data and .sources, and tools.pretokenize: sources,
 packing, determinism, resume, process sharding, and the errors a user can cause. The
 expected token streams are computed here straight from the tokenizer, independently of
 the pipeline."""
@@ -9,7 +9,6 @@ import collections
 import json
 import logging
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import pytest
 from gpt_oss_train.io.tokenizer import Tokenizer
 from gpt_oss_train.training import data, sources
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 64
 EOS = 199999
 
@@ -333,7 +331,7 @@ def _pretokenize(*args):
     """Runs the tool as a user would (in a subprocess, which also keeps its absl flags out
     of this process's flag registry)."""
     return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "pretokenize.py"), *args],
+        [sys.executable, "-m", "gpt_oss_train.tools.pretokenize", *args],
         capture_output=True,
         text=True,
         timeout=120,

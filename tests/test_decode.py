@@ -23,6 +23,8 @@ from gpt_oss_train.inference import chat, loading, requests
 from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.full  # the decode CLI end to end: minutes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 201088
 

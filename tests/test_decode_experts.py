@@ -1,6 +1,8 @@
-"""The decode expert kernel (model/decode_experts.py): the routing tile layout, the bf16
-contraction-minor layout, and the FFN in Pallas interpret mode against float64 numpy and
-against `moe.gathered_ffn`. The compiled-kernel check needs a GPU."""
+"""The decode expert kernel (kernels/gpu/decode_experts.py): the routing tile layout, the
+bf16 contraction-minor layout, and the FFN in Pallas interpret mode against float64 numpy
+and against the XLA reference's `gathered` path, directly and as the `moe_decode` op's
+`pallas_gpu` implementation through the kernel registry. The compiled-kernel check needs a
+GPU."""
 
 import re
 
@@ -9,7 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train.model import decode_experts as dex
+from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.kernels import Kernels, registry
+from gpt_oss_train.kernels.gpu import decode_experts as dex
+from gpt_oss_train.kernels.gpu.interpret import interpret_mode
+from gpt_oss_train.kernels.xla import experts as xla_experts
 from gpt_oss_train.model import moe as moe_lib
 
 LIMIT, ALPHA = 7.0, 1.702
@@ -49,20 +55,13 @@ def test_dense_ffn_matches_float64_reference_and_gathered_path(
     t, k, e, one_expert, expert_ffn_reference
 ):
     """float32 weights in the contraction-minor layout (in = 80 padded to 128), through the
-    interpreted kernel, against float64 numpy and against moe.gathered_ffn."""
+    interpreted kernel, against float64 numpy and against xla/experts.gathered."""
     numpy_ffn = expert_ffn_reference
     d, f = 80, 48
     rng = np.random.RandomState(t)
     idx, weights = _routing(t, k, e, rng, one_expert)
     x = rng.randn(t, d)
-    w = dict(
-        wi_gate=rng.randn(e, d, f) * 0.3,
-        bi_gate=rng.randn(e, f),
-        wi_up=rng.randn(e, d, f) * 0.3,
-        bi_up=rng.randn(e, f),
-        wo=rng.randn(e, f, d) * 0.3,
-        bo=rng.randn(e, d),
-    )
+    w = _random_experts(rng, e, d, f)
     ref = numpy_ffn(x, weights, idx, w)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
@@ -71,10 +70,73 @@ def test_dense_ffn_matches_float64_reference_and_gathered_path(
     args = (f32(x), f32(weights), jnp.asarray(idx, jnp.int32))
     kw = dict(limit=LIMIT, alpha=ALPHA, dtype=jnp.float32)
     got = jax.jit(lambda *a: dex.dense_ffn(*a, experts, interpret=True, **kw))(*args)
-    gathered = jax.jit(lambda *a: moe_lib.gathered_ffn(*a, ew, **kw))(*args)
+    gathered = jax.jit(lambda *a: xla_experts.gathered(*a, ew, **kw))(*args)
     # float32 sums of 48-96 products: ~1e-6 of the scale; a wrong row, expert or pad is O(1)
     np.testing.assert_allclose(got, ref, atol=2e-6 * np.abs(ref).max())
     np.testing.assert_allclose(got, gathered, atol=2e-6 * np.abs(ref).max())
+
+
+def _random_experts(rng, e: int, d: int, f: int) -> dict:
+    """float64 expert weights [E, in, out] and biases, scaled so activations stay O(1)."""
+    return dict(
+        wi_gate=rng.randn(e, d, f) * 0.3,
+        bi_gate=rng.randn(e, f),
+        wi_up=rng.randn(e, d, f) * 0.3,
+        bi_up=rng.randn(e, f),
+        wo=rng.randn(e, f, d) * 0.3,
+        bo=rng.randn(e, d),
+    )
+
+
+def _pallas_kernels_in(fn, *args) -> list[str]:
+    """The decode Pallas kernels (by name) in fn's jaxpr: proves the kernel ran, not the
+    XLA reference the registry falls back to."""
+    return re.findall(r"gpt_oss_\w+_kernel", str(jax.make_jaxpr(fn)(*args)))
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 4, 8), (5, 2, 4)], ids=["batch1", "batch5_every_expert"])
+def test_registry_pallas_moe_decode_equals_xla_reference(t, k, e, expert_ffn_reference):
+    """Kernels.of(moe_decode="pallas_gpu") in interpret mode on a CPU runs the Pallas
+    kernel (laying out the model's dense float32 [E, in, out] experts inside the step) and
+    equals the op's xla reference (the gathered path) and float64 numpy; so does the MoE
+    layer (`ragged_experts`) given those kernels."""
+    d, f = 48, 32
+    rng = np.random.RandomState(10 + t)
+    idx, weights = _routing(t, k, e, rng)
+    x = rng.randn(t, d)
+    w = _random_experts(rng, e, d, f)
+    numpy_ref = expert_ffn_reference(x, weights, idx, w)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
+    args = (f32(x), f32(weights), jnp.asarray(idx, jnp.int32), ew)
+    kw = dict(limit=LIMIT, alpha=ALPHA, dtype=jnp.float32)
+    # The reference called as the op's `xla` implementation: on a CPU the op itself declines
+    # unstreamed weights (a CPU never gathers) and the layer takes grouped matmuls instead.
+    xla_impl = registry.OPS["moe_decode"].impl("xla")
+    ref = np.asarray(jax.jit(lambda *a: xla_impl.call(*a, **kw))(*args))
+    kernels = Kernels.of(moe_decode="pallas_gpu")
+    op = lambda *a: kernels.moe_decode(*a, **kw)
+    layer = lambda *a: moe_lib.ragged_experts(*a, kernels=kernels, **kw)
+    with interpret_mode():
+        impl = kernels.impl("moe_decode", "cpu")
+        assert impl.name == "pallas_gpu" and impl.takes(*args, **kw)
+        assert _pallas_kernels_in(op, *args) == ["gpt_oss_dense_kernel"] * 2
+        got = np.asarray(jax.jit(op)(*args))
+        got_layer = np.asarray(jax.jit(layer)(*args))
+    # float32 sums of 32-64 products: ~1e-6 of the scale; a wrong row, expert or tile is O(1)
+    scale = np.abs(numpy_ref).max()
+    np.testing.assert_allclose(ref, numpy_ref, atol=2e-6 * scale)
+    np.testing.assert_allclose(got, ref, atol=2e-6 * scale)
+    np.testing.assert_allclose(got_layer, ref, atol=2e-6 * scale)
+
+
+def test_pallas_moe_decode_outside_interpret_mode_on_a_cpu_is_a_config_error():
+    message = (
+        r"config\.kernels\.moe_decode='pallas_gpu' runs on \['gpu'\], not on this program's cpu"
+    )
+    with pytest.raises(ConfigError, match=message) as e:
+        Kernels.of(moe_decode="pallas_gpu").impl("moe_decode", "cpu")
+    assert "\n" not in str(e.value)
 
 
 def test_dense_kernel_lowers_to_triton_for_cuda():
@@ -100,13 +162,13 @@ def test_dense_kernel_lowers_to_triton_for_cuda():
     assert kernels == ["gpt_oss_dense_kernel"] * 2
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_bench_moe_decode_tool_reports_each_backend(run_tool_json):
-    """tools/bench_moe_decode.py in interpret mode on tiny shapes (9 tokens x top-2 of 4
+    """The bench_moe_decode tool in interpret mode on tiny shapes (9 tokens x top-2 of 4
     experts: every expert chosen): one record per (batch, back-end)."""
     run_tool = run_tool_json
     rows = run_tool(
-        "bench_moe_decode.py", "--batch_sizes=1,9", "--experts=4", "--top_k=2", "--hidden=64",
+        "bench_moe_decode", "--batch_sizes=1,9", "--experts=4", "--top_k=2", "--hidden=64",
         "--intermediate=32", "--routings=2", "--steps=1", "--interpret",
     )  # fmt: skip
     assert [(r["batch"], r["impl"]) for r in rows] == [

@@ -235,6 +235,7 @@ def test_chat_prompt_renders_harmony(engine):
     assert e.value.status == 400
 
 
+@pytest.mark.full
 def test_sharded_serving_gives_the_single_device_tokens(engine, hf_dir):
     """Tensor x expert parallel (tensor=2, expert=4 on 8 devices, expert-parallel MoE):
     the cache is sharded by the same rules, the tokens are those of one device."""

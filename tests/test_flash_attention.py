@@ -1,7 +1,9 @@
-"""The Pallas flash attention (model/flash_attention.py): its kernels run in interpret mode
-on the CPU against the XLA reference evaluated in float64 (forward, dQ, dK, dV and the sink
-gradient by autodiff), and lower to Triton IR for CUDA. The compiled-kernel check needs a
-GPU and is skipped elsewhere."""
+"""The Pallas flash attention (kernels/gpu/flash_attention.py): its kernels run in interpret
+mode on the CPU against the XLA reference evaluated in float64 (forward, dQ, dK, dV and the
+sink gradient by autodiff), are reachable as the `attention` op's `flash` implementation
+through the kernel registry (in interpret mode on a CPU; a config error outside it), and
+lower to Triton IR for CUDA. The compiled-kernel check needs a GPU and is skipped
+elsewhere."""
 
 import re
 
@@ -12,8 +14,11 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model import attention as attn_lib
-from gpt_oss_train.model import flash_attention as flash
+from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.kernels import Kernels
+from gpt_oss_train.kernels.gpu import flash_attention as flash
+from gpt_oss_train.kernels.gpu.interpret import interpret_mode
+from gpt_oss_train.kernels.xla import attention as attn_lib
 
 SMALL = flash.Blocks(q=16, k=16, bwd_q=16, bwd_k=16)
 
@@ -161,28 +166,64 @@ def test_visited_key_blocks_cover_the_band_and_nothing_far_outside(window):
             assert hi - lo <= -(-(bk + window - 1) // bq) + 1
 
 
+def _flash_kernels_in(fn, *args) -> list[str]:
+    """The Pallas kernels (by name) in fn's jaxpr: proves the flash implementation ran,
+    not the XLA reference it would fall back to."""
+    return re.findall(r"gpt_oss_flash_\w+", str(jax.make_jaxpr(fn)(*args)))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_registry_flash_attention_equals_xla_in_interpret_mode(window):
+    """Kernels.of(attention="flash") is the Pallas kernel in interpret mode on a CPU (the
+    registry resolves it there), and its output equals Kernels.of(attention="xla")'s:
+    float32, GQA 4:2, 2 packed segments and 3 left-padding slots, tiles smaller than the
+    sequence. The tolerance is float32 rounding; a wrong mask or sink is off by O(1)."""
+    b, s, n, kv, h = 2, 21, 4, 2, 16
+    q, k, v, sinks, _ = _inputs(b, s, n, kv, h, seed=4)
+    pos, seg = _positions_segments(b, [(3, 0), (11, 1), (7, 2)])
+    args = tuple(jnp.asarray(a) for a in (q, k, v, sinks))
+    kw = dict(positions=pos, segment_ids=seg, window=window, block=16)
+    ref = jax.jit(lambda *a: Kernels.of(attention="xla").attention(*a, **kw))(*args)
+    flash_op = lambda *a: Kernels.of(attention="flash").attention(*a, **kw)
+    with interpret_mode():
+        assert Kernels.of(attention="flash").impl("attention", "cpu").name == "flash"
+        assert "gpt_oss_flash_forward" in _flash_kernels_in(flash_op, *args)
+        got = jax.jit(flash_op)(*args)
+    ref, got = np.asarray(ref), np.asarray(got)
+    assert got.shape == (b, s, n, h) and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, ref, atol=2e-6 * np.abs(ref).max())
+    assert np.all(got[np.asarray(seg) == 0] == 0)  # padding queries see no key: exactly 0
+    # the tolerance tells masks apart: a window one key wider (or a band where there is
+    # none) moves the outputs by far more
+    mask = attn_lib.visibility_mask(pos, pos, seg, seg, 4 if window is None else window + 1)
+    other = np.asarray(attn_lib.xla_attention(*args, mask))
+    assert np.abs(other - ref).max() > 1e3 * 2e-6 * np.abs(ref).max()
+
+
 def test_attention_dispatch_under_a_mesh_matches_xla():
-    """attention(impl='flash') through shard_map over batch and heads (data 2 x tensor 2),
-    interpret mode, forward and gradients against impl='xla' on the same mesh."""
+    """Kernels.of(attention="flash") through shard_map over batch and heads (data 2 x
+    tensor 2), interpret mode, forward and gradients against Kernels.of(attention="xla")
+    on the same mesh."""
     b, s, n, kv, h = 2, 24, 4, 2, 16
     q, k, v, sinks, _ = _inputs(b, s, n, kv, h, seed=1)
     pos, seg = _positions_segments(b, [(10, 1), (14, 2)])
-    kw = dict(q_pos=pos, k_pos=pos, q_seg=seg, k_seg=seg, window=8, self_attention=True)
-    loss = lambda impl: lambda *a: jnp.sum(jnp.sin(attn_lib.attention(*a, impl=impl, **kw)))
+    kw = dict(positions=pos, segment_ids=seg, window=8)
+    loss = lambda impl: lambda *a: jnp.sum(jnp.sin(Kernels.of(attention=impl).attention(*a, **kw)))
     args = tuple(jnp.asarray(a) for a in (q, k, v, sinks))
     mesh = sharding.make_mesh(dict(data=2, fsdp=1, tensor=2, expert=2))
-    with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES), flash.interpret_mode():
+    with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES), interpret_mode():
         ref = jax.jit(jax.value_and_grad(loss("xla"), (0, 1, 2, 3)))(*args)
+        assert _flash_kernels_in(loss("flash"), *args)
         got = jax.jit(jax.value_and_grad(loss("flash"), (0, 1, 2, 3)))(*args)
     for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(g, r, atol=2e-5 * float(jnp.abs(r).max()))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_model_gradients_with_flash_equal_xla():
     """The tiny model (one scanned block of a banded and a full layer, full remat, GQA,
-    head_dim 16) trained through attention_impl='flash' in interpret mode: loss and
-    parameter gradients equal those through 'xla'."""
+    head_dim 16) trained through config.kernels.attention='flash' in interpret mode: loss
+    and parameter gradients equal those through 'xla'."""
     from gpt_oss_train import config as config_lib
     from gpt_oss_train.model.transformer import ModelDef
 
@@ -194,7 +235,7 @@ def test_model_gradients_with_flash_equal_xla():
     tokens = jax.random.randint(jax.random.key(0), (2, 20), 0, mc.vocab_size)
 
     def loss_and_grads(impl):
-        md = ModelDef(mc.replace(attention_impl=impl))
+        md = ModelDef(mc.replace(kernels=Kernels.of(attention=impl)))
 
         def loss(p):
             model = md.bind(p)
@@ -204,19 +245,30 @@ def test_model_gradients_with_flash_equal_xla():
         return jax.jit(jax.value_and_grad(loss))(params)
 
     ref = loss_and_grads("xla")
-    with flash.interpret_mode():
+    with interpret_mode():
         got = loss_and_grads("flash")
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
 
 
 def test_flash_outside_a_gpu_is_a_one_line_config_error():
+    """Outside interpret mode a CPU program cannot run the flash kernel: choosing it is a
+    one-line ConfigError naming the field and the fix, when resolved and when called."""
     q = jnp.zeros((1, 8, 2, 16))
     pos = jnp.arange(8)[None]
-    with pytest.raises(ValueError, match="attention_impl='flash' needs a GPU"):
-        attn_lib.attention(
-            q, q, q, jnp.zeros(2), q_pos=pos, k_pos=pos, impl="flash", self_attention=True
+    message = r"config\.kernels\.attention='flash' runs on \['gpu'\], not on this program's cpu"
+    with pytest.raises(ConfigError, match=message) as resolved:
+        Kernels.of(attention="flash").impl("attention", "cpu")
+    assert "\n" not in str(resolved.value) and "'auto' or 'xla'" in str(resolved.value)
+    with pytest.raises(ConfigError, match=message) as called:
+        Kernels.of(attention="flash").attention(
+            q, q, q, jnp.zeros(2), positions=pos, segment_ids=jnp.ones_like(pos), window=None
         )
+    assert "\n" not in str(called.value)
+    with interpret_mode():  # the same choice resolves inside interpret mode
+        assert Kernels.of(attention="flash").impl("attention", "cpu").name == "flash"
+    with pytest.raises(ConfigError, match=message):  # and stops resolving once it is left
+        Kernels.of(attention="flash").impl("attention", "cpu")
 
 
 def test_kernels_lower_to_triton_for_cuda():
@@ -279,13 +331,13 @@ def test_bfloat16_kernels_are_as_accurate_as_xla_in_bfloat16():
         assert flash_err <= 2 * xla_err + 2**-9, (xla_err, flash_err)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_bench_attention_tool_reports_each_backend(run_tool_json):
-    """tools/bench_attention.py in interpret mode on tiny shapes: one JSON record per
+    """The bench_attention tool in interpret mode on tiny shapes: one JSON record per
     back-end, flash compared with blockwise."""
     run_tool = run_tool_json
     rows = run_tool(
-        "bench_attention.py", "--seq_lens=48", "--windows=8", "--heads=2", "--kv_heads=1",
+        "bench_attention", "--seq_lens=48", "--windows=8", "--heads=2", "--kv_heads=1",
         "--head_dim=16", "--block=16", "--steps=1", "--interpret",
     )  # fmt: skip
     assert [row["impl"] for row in rows] == ["blockwise", "flash"]

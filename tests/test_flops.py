@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import hardware
+from gpt_oss_train.architecture import PRESETS
 from gpt_oss_train.model import parameters
-from gpt_oss_train.model.architecture import PRESETS
 from gpt_oss_train.training.flops import (
     attention_pairs,
     forward_flops_per_token,

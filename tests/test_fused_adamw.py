@@ -1,8 +1,8 @@
-"""The one-pass AdamW step on a CPU (training/fused_adamw.py, model/cpu_kernels/adamw.cc)
+"""The one-pass AdamW step on a CPU (kernels/cpu/fused_adamw.py, kernels/cpu/adamw.cc)
 against optax's chain that make_optimizer builds: parameters and optimizer state after
 updates that clip and that do not, with and without weight decay per parameter, the
 state's structure unchanged (checkpoints move between the two paths), and the train step
-taking it."""
+taking it (the `optimizer_update` op) against the same step with optax's update."""
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +11,17 @@ import optax
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train.model.cpu_kernels import adamw as kernel
+from gpt_oss_train.kernels import Kernels
+from gpt_oss_train.kernels.cpu import fused_adamw
 from gpt_oss_train.model.transformer import ModelDef
-from gpt_oss_train.training import fused_adamw, steps
+from gpt_oss_train.training import steps
 
-pytestmark = pytest.mark.skipif(
-    not kernel.available(), reason="needs a CPU with AVX-512 and a C++ compiler"
-)
+
+@pytest.fixture
+def kernel(cpu_kernel):
+    """kernels/cpu/adamw.py, built (skips where this CPU or machine cannot: AVX-512 and a
+    C++ compiler)."""
+    return cpu_kernel("adamw")
 
 
 def _train_config(**kw):
@@ -36,7 +40,7 @@ def _params(rng):
 
 
 @pytest.mark.parametrize("clip_norm", [1.0, 0.0])
-def test_updates_equal_optax(clip_norm):
+def test_updates_equal_optax(clip_norm, kernel):
     t = _train_config(grad_clip_norm=clip_norm)
     tx, schedule = steps.make_optimizer(t)
     rng = np.random.default_rng(0)
@@ -44,7 +48,7 @@ def test_updates_equal_optax(clip_norm):
     decays = jax.tree_util.tree_map_with_path(steps._decays, params)
     assert decays["unembed"]["kernel"] and not decays["final_norm"]["scale"]
     ours = ref = (params, tx.init(params))
-    fused = jax.jit(lambda *a: fused_adamw.update(t, schedule, decays, *a))
+    fused = jax.jit(lambda *a: fused_adamw.update(tx, t, schedule, decays, *a))
     clipped = []
     for scale in (0.001, 1.0, 0.005):  # per-token gradient norms ~0.07, ~68, ~0.34
         grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * scale * 64,
@@ -54,7 +58,10 @@ def test_updates_equal_optax(clip_norm):
         clipped.append(bool(norm >= 1.0))
         updates, state = tx.update(jax.tree.map(lambda g: g / n, grads), ref[1], ref[0])
         ref = (optax.apply_updates(ref[0], updates), state)
-        assert fused_adamw.applies(*ours)
+        assert fused_adamw.accepts(tx, t, schedule, decays, grads, n, norm, *ours)
+        # the same chain, not marked as make_optimizer's: the kernel does not stand in for it
+        plain = optax.GradientTransformation(*tx)
+        assert not fused_adamw.accepts(plain, t, schedule, decays, grads, n, norm, *ours)
         ours = fused(grads, n, norm, *ours)
         assert jax.tree.structure(ours) == jax.tree.structure(ref)
         for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
@@ -66,23 +73,28 @@ def test_updates_equal_optax(clip_norm):
     assert moved.max() > 1e-3  # three steps at lr ~1e-2 moved the weights
 
 
-def test_train_step_takes_the_kernel_and_matches_optax():
+@pytest.mark.full
+def test_train_step_takes_the_kernel_and_matches_optax(kernel):
+    """The train step with the "auto" kernels (the fused update) against the same step with
+    the `optimizer_update` op's reference (optax), every other op as it was."""
     c = config_lib.default_config()
     c.dtype = "float32"
     c.model.update(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16, num_experts=4, experts_per_token=2, intermediate_size=32,
                    sliding_window=8)  # fmt: skip
     c.train.update(learning_rate=1e-3, warmup_steps=1, steps=4)
-    md = ModelDef(config_lib.ModelConfig.from_config(c))
+    mc = config_lib.ModelConfig.from_config(c)
+    assert mc.kernels.impl("optimizer_update").name == "cpu"
     tx, schedule = steps.make_optimizer(c.train)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 128, (4, 17)).astype(np.int32)
     batch = {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": np.ones((4, 16), np.int32),
              "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
              "segment_ids": np.ones((4, 16), np.int32)}  # fmt: skip
-    params = md.init(0)
+    params = ModelDef(mc).init(0)
 
-    def run(tx):
+    def run(kernels):
+        md = ModelDef(mc.replace(kernels=kernels))
         step = jax.jit(steps.make_train_step(md, tx, schedule, c.train))
         state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
         hlo = step.lower(state, batch).as_text()
@@ -90,10 +102,9 @@ def test_train_step_takes_the_kernel_and_matches_optax():
             state, _ = step(state, batch)
         return state, kernel.TARGET in hlo
 
-    fused, took = run(tx)
+    fused, took = run(mc.kernels)
     assert took
-    # the same chain, not marked as make_optimizer's: optax runs it
-    plain, took = run(optax.GradientTransformation(*tx))
+    plain, took = run(Kernels.of(**{**dict(mc.kernels.choices), "optimizer_update": "xla"}))
     assert not took
     for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
         want = np.asarray(want)

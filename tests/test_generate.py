@@ -71,9 +71,10 @@ def test_cached_decoding_equals_full_forward(models):
         assert len(seq) > 16 + md.cfg.sliding_window  # really beyond the ring
 
 
+@pytest.mark.full
 def test_bfloat16_cached_decoding_stays_near_the_float32_forward(models):
     """bfloat16 weights and compute: on a CPU the cached loop runs the C++ kernels on
-    bfloat16 weights and a cache stored as uint16 bits (bit_moves.py). Against the float32
+    bfloat16 weights and a cache stored as uint16 bits (arrays/bit_moves.py). Against the float32
     model's full forward (the exact reference; bfloat16 full forwards round differently
     from the cached loop and from each other), the generated tokens agree up to the first
     near-tie (the float32 top-2 gap there under 0.05: a random tiny model has them; measured
@@ -128,6 +129,7 @@ def test_sampling_is_reproducible_per_request(models):
     assert other[0]["tokens"] != alone[0]["tokens"]
 
 
+@pytest.mark.full
 def test_int8_weights_and_kv_cache_drift_is_small(models):
     """int8 per-channel weights: each weight is off by up to scale/2 = max|w|/254; the
     int8 KV cache likewise per (token, head). Drift is measured on the same tokens:
@@ -161,6 +163,7 @@ def test_int8_weights_and_kv_cache_drift_is_small(models):
         assert 0 < drift < 2e-2
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("moe_impl", ["ragged", "sharded"])
 def test_sharded_decode_on_a_tensor_and_expert_mesh(models, moe_impl, tmp_path):
     """The same logical rules as training place the weights (heads and the expert hidden

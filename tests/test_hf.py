@@ -20,12 +20,12 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 from transformers import GptOssConfig, GptOssForCausalLM  # noqa: E402
 
+from gpt_oss_train import architecture  # noqa: E402
 from gpt_oss_train import config as config_lib  # noqa: E402
+from gpt_oss_train.arrays.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from gpt_oss_train.io import hf, hf_config  # noqa: E402
 from gpt_oss_train.io.hf import HFCheckpoint, save_hf  # noqa: E402
 from gpt_oss_train.io.hf_config import hf_config_to_model_dict, model_dict_to_hf_config  # noqa: E402
-from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from gpt_oss_train.model import architecture  # noqa: E402
 
 # Tiny but asymmetric: N*H (96) != D (64), 2F (192) != D, F (96) != D; D and F divisible by 32.
 V, D, L, N, K, H, E, TOPK, F, W = 301, 64, 4, 4, 2, 24, 4, 2, 96, 8

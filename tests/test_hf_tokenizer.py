@@ -21,8 +21,6 @@ import transformers
 from gpt_oss_train.io import hf_tokenizer
 from gpt_oss_train.io import tokenizer as tk
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
@@ -466,7 +464,7 @@ def test_chat_template_errors(hf_tok, ref):
 
 
 # ----------------------------------------------------------------------------------------
-# Exports: save_hf and tools/convert_checkpoint.py
+# Exports: save_hf and gpt_oss_train.tools.convert_checkpoint
 # ----------------------------------------------------------------------------------------
 def _zeros_getter(model):
     from gpt_oss_train.io import hf
@@ -489,7 +487,7 @@ def test_save_hf_skips_the_tokenizer_for_other_vocabularies_or_when_asked(tmp_pa
         assert not any((tmp_path / name / f).exists() for f in hf_tokenizer.TOKENIZER_FILES)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_converted_checkpoint_serves_with_transformers(tmp_path, ref, hf_tiny_config):
     """A tiny gpt-oss with the real vocabulary: HF -> Orbax -> HF through the tool, then
     loaded as `transformers serve` does (AutoTokenizer + GptOssForCausalLM) and prompted
@@ -501,7 +499,7 @@ def test_converted_checkpoint_serves_with_transformers(tmp_path, ref, hf_tiny_co
     hf_in, orbax, hf_out = tmp_path / "hf_in", tmp_path / "orbax", tmp_path / "hf_out"
     model.save_pretrained(hf_in)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
+    tool = [sys.executable, "-m", "gpt_oss_train.tools.convert_checkpoint"]
     for args in (
         [f"--hf_dir={hf_in}", f"--output_dir={orbax}"],
         [f"--orbax_dir={orbax}", f"--hf_out={hf_out}", "--dtype=float32"],

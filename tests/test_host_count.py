@@ -15,6 +15,8 @@ import pytest
 
 from gpt_oss_train.io import storage, workdir_lock
 
+pytestmark = pytest.mark.full  # several training processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # LLVM's cheap settings halve compile time on 2 cores; every run here uses them alike.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -33,7 +35,7 @@ def _launch(train_cli, processes: int, workdir: str, *overrides: str) -> dict[in
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_pretokenized_run_is_the_same_on_1_and_2_processes_and_resumes_across(
     train_cli, pretokenized_corpus, gcs_dir, tmp_path
 ):

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from gpt_oss_train import huge_pages
+from gpt_oss_train.kernels.cpu import huge_pages
 
 MB = 1 << 20
 

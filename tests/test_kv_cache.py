@@ -5,11 +5,14 @@ import logging
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train.inference import loading
 from gpt_oss_train.model import kv_cache
+
+pytestmark = pytest.mark.full  # sharded caches on a mesh of 8
 
 PROMPTS = [[5, 9, 200, 17, 3, 3, 8], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49], [7] * 5]
 

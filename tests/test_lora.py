@@ -9,10 +9,11 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
+from gpt_oss_train.arrays import mxfp4 as np_mxfp4
+from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.inference import adapters as adapters_lib
-from gpt_oss_train.io import mxfp4 as np_mxfp4
-from gpt_oss_train.model import frozen_base, lora, mxfp4_array
+from gpt_oss_train.model import frozen_base, lora
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.transformer import ModelDef
 
@@ -70,6 +71,7 @@ def logits(mc, params, toks, adapter_ids=None):
 @pytest.mark.parametrize(
     "moe_impl,shape", [("dense", (2, 16)), ("ragged", (2, 16)), ("ragged", (1, 1))]
 )  # (1, 1): the decode-sized gathered path
+@pytest.mark.full
 def test_zero_b_gives_exactly_the_base_logits(moe_impl, shape):
     mc = tiny(moe_impl=moe_impl)
     base, fresh, rand = base_and_adapters(mc)
@@ -141,6 +143,7 @@ def test_expert_lora_matches_float64_loops_in_every_backend(impl, t):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+@pytest.mark.full
 def test_sharded_expert_lora_gradients_equal_ragged():
     x, weights, idx, w, lo = _expert_inputs()
     f32 = lambda a: jnp.asarray(a, jnp.float32)
@@ -165,6 +168,7 @@ def test_sharded_expert_lora_gradients_equal_ragged():
 # ----------------------------------------------------------------------------- stacked
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("moe_impl", ["dense", "ragged"])
 def test_stacked_adapters_give_each_row_its_own_adapter(moe_impl):
     """Rows naming slot 0 (no adapter), adapter 1 (rank 3, attention + experts) and adapter
@@ -219,6 +223,7 @@ def test_mxfp4_array_is_the_numpy_codec(mxfp4_reference):
     assert q.shape == w.shape and q[1:2].shape == (1, 64, 40)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "mxfp4"])
 def test_frozen_base_formats_keep_logits_close_and_shard_like_dense(fmt):
     # no router adapter and small adapters: few routing choices flip, so the error is the

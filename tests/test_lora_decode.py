@@ -19,6 +19,8 @@ from gpt_oss_train.io import peft as peft_io
 from gpt_oss_train.model import lora
 from gpt_oss_train.model.transformer import ModelDef
 
+pytestmark = pytest.mark.full  # decoding with trained adapters: tens of seconds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 6, 7, 8, 9, 10], [101, 102], [3, 1, 4, 1, 5, 9, 2, 6]]
 

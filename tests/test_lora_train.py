@@ -17,12 +17,15 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
+from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.io import hf
-from gpt_oss_train.model import lora, mxfp4_array
+from gpt_oss_train.model import lora
 from gpt_oss_train.model.transformer import ModelDef
 from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
+
+pytestmark = pytest.mark.full  # LoRA training runs: minutes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,7 +144,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in read_metrics_jsonl(path) if r.get("loss") is not None}
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_lora_run_resumes_bitwise_after_sigterm(tmp_path):
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     cmd, env = _cli(full)
@@ -179,7 +182,7 @@ def _abstract_adapters(workdir):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_loss_falls_on_the_lora_sft_config(tmp_path):
     cmd, env = _cli(str(tmp_path / "sft"))
     cmd = [a for a in cmd if "steps=" not in a and "seq_len" not in a and "batch_size" not in a]

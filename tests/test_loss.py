@@ -1,5 +1,7 @@
-"""The chunked next-token loss (loss.py): values against float64 numpy, and values and
-gradients on meshes against the same function with no mesh."""
+"""The chunked next-token loss (loss.py): values and gradients against float64 numpy, with
+the "auto" kernels (on a CPU with AVX512-BF16, bfloat16 chunks take the cross-entropy
+kernels) and with the XLA references, and values and gradients on meshes against the
+same function with no mesh."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +10,12 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model.cpu_kernels import cross_entropy as cpu_cross_entropy
-from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
+from gpt_oss_train.kernels import Kernels
+from gpt_oss_train.kernels.cpu import cross_entropy as cpu_cross_entropy
+from gpt_oss_train.kernels.cpu import grouped_matmul as cpu_grouped_matmul
 from gpt_oss_train.training import loss as loss_lib
+
+KERNELS = {"auto": Kernels(), "xla": Kernels.everywhere("xla")}
 
 B, S, D, V = 8, 12, 16, 40  # S=12 with chunk 5: two full chunks and a padded one
 
@@ -24,11 +29,13 @@ def _inputs(seed=0):
     return h, w, t, m
 
 
-def test_token_logprobs_match_float64_log_softmax():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_token_logprobs_match_float64_log_softmax(kernels):
     h, w, t, _ = _inputs()
     logp, lse = loss_lib.token_logprobs(
-        jnp.asarray(h), jnp.asarray(w), jnp.asarray(t), chunk=5, dtype=jnp.float32
-    )
+        jnp.asarray(h), jnp.asarray(w), jnp.asarray(t), chunk=5, dtype=jnp.float32,
+        kernels=KERNELS[kernels],
+    )  # fmt: skip
     logits = h.astype(np.float64) @ w.astype(np.float64)
     ref_lse = np.log(np.sum(np.exp(logits), axis=-1))
     ref_logp = np.take_along_axis(logits, t[..., None], -1)[..., 0] - ref_lse
@@ -77,9 +84,10 @@ def test_loss_and_gradients_on_a_mesh_equal_no_mesh(sizes):
     np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("chunk", [5, S])  # three chunks (recomputed), one (softmax kept)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gradients_match_float64_reference(dtype, chunk):
+def test_gradients_match_float64_reference(dtype, chunk, kernels):
     """The chunk's log-probabilities have a hand-written backward pass (cotangents and the
     weight gradient in the compute dtype, the softmax kept from the forward pass when
     there is one chunk): its gradients against the float64 formulas, d loss / d logits =
@@ -88,16 +96,18 @@ def test_gradients_match_float64_reference(dtype, chunk):
     z = 1e-2
 
     def f(h, w):
-        nll, zs, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=chunk, dtype=dtype)
+        nll, zs, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=chunk, dtype=dtype,
+                                           kernels=KERNELS[kernels])  # fmt: skip
         return nll / n + z * zs / n
 
     grad = jax.jit(jax.grad(f, argnums=(0, 1)))
     dh, dw = grad(jnp.asarray(h), jnp.asarray(w))
-    # bfloat16 on a CPU with AVX512-BF16: the products are the grouped matmul kernels'
-    kernels = dtype == jnp.bfloat16 and cpu_grouped_matmul.available()
+    # bfloat16 on a CPU with AVX512-BF16 (and a compiler): the chunk's softmax is the
+    # cross-entropy kernels' and its products the grouped matmul kernels'
+    took = dtype == jnp.bfloat16 and KERNELS[kernels].impl("cross_entropy").name == "cpu"
     text = grad.lower(h, w).as_text()
-    assert (cpu_grouped_matmul.TARGET in text) == kernels
-    assert (cpu_cross_entropy.GRAD_TARGET in text) == (kernels and cpu_cross_entropy.available())
+    assert (cpu_grouped_matmul.TARGET in text) == took
+    assert (cpu_cross_entropy.GRAD_TARGET in text) == took
     h64, w64 = h.astype(np.float64), w.astype(np.float64)
     logits = h64 @ w64
     p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -113,11 +123,11 @@ def test_gradients_match_float64_reference(dtype, chunk):
     np.testing.assert_allclose(dw, ref_dw, atol=tol * np.abs(ref_dw).max())
 
 
-@pytest.mark.skipif(not cpu_cross_entropy.available(), reason="needs a CPU with AVX512-BF16")
 @pytest.mark.parametrize("vocab", [1, 37, 4096])  # tails of 1 and 5 lanes, whole vectors
-def test_softmax_kernels_match_float64(vocab):
+def test_softmax_kernels_match_float64(vocab, cpu_kernel):
     """cross_entropy.cc: lse, target logit and softmax of each row, and the logits'
     gradient, against numpy in float64 (targets include one past the vocabulary)."""
+    cpu_kernel("cross_entropy")  # built, or skipped with the reason
     rng = np.random.default_rng(vocab)
     rows = 9
     logits = (rng.standard_normal((rows, vocab)) * 6).astype(np.float32)

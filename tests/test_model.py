@@ -10,7 +10,8 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.model import attention as attn_lib
+from gpt_oss_train.kernels import Kernels
+from gpt_oss_train.kernels.xla import attention as attn_lib
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model.transformer import ModelDef, rope_frequencies
 
@@ -105,15 +106,13 @@ def test_attention_matches_float64_reference_with_sinks_window_and_segments(wind
     pos = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4], list(range(7)) + [0, 0]])
     ref = numpy_attention(q, k, v, sinks, pos, pos, seg, seg, window)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    got = attn_lib.attention(
+    got = Kernels.of(attention="xla").attention(
         f32(q),
         f32(k),
         f32(v),
         f32(sinks),
-        q_pos=jnp.asarray(pos),
-        k_pos=jnp.asarray(pos),
-        q_seg=jnp.asarray(seg),
-        k_seg=jnp.asarray(seg),
+        positions=jnp.asarray(pos),
+        segment_ids=jnp.asarray(seg),
         window=window,
     )
     # float32 vs float64 on O(1) values: a few ulps of the largest terms
@@ -128,19 +127,27 @@ def test_blockwise_equals_xla_beyond_the_window_and_block():
     seg = jnp.asarray(np.r_[np.ones(40), 2 * np.ones(30)][None].repeat(2, 0), jnp.int32)
     pos = jnp.asarray(np.r_[np.arange(40), np.arange(30)][None].repeat(2, 0), jnp.int32)
     for window in (None, 16):
-        kw = dict(q_pos=pos, k_pos=pos, q_seg=seg, k_seg=seg, window=window, self_attention=True)
-        ref = attn_lib.attention(q, k, v, sinks, impl="xla", **kw)
-        got = attn_lib.attention(q, k, v, sinks, impl="blockwise", block=16, **kw)
+        kw = dict(positions=pos, segment_ids=seg, window=window, block=16)
+        ref = Kernels.of(attention="xla").attention(q, k, v, sinks, **kw)
+        got = Kernels.of(attention="blockwise").attention(q, k, v, sinks, **kw)
         np.testing.assert_allclose(got, ref, atol=1e-6)
 
 
 def test_query_that_sees_no_key_gets_zero_not_nan():
     q = jnp.ones((1, 2, 2, 4))
     k = v = jnp.ones((1, 3, 1, 4))
-    out = attn_lib.attention(
-        q, k, v, jnp.zeros(2), q_pos=jnp.array([[0, 1]]), k_pos=jnp.array([[-1, -1, -1]])
-    )
+    mask = attn_lib.visibility_mask(jnp.array([[0, 1]]), jnp.array([[-1, -1, -1]]))
+    out = attn_lib.xla_attention(q, k, v, jnp.zeros(2), mask)
     assert np.all(np.asarray(out) == 0)
+    # the same through the self-attention op: padding slots (position -1) see no key
+    pos = jnp.array([[-1, -1, 0, 1]])
+    qkv = jnp.ones((1, 4, 1, 4))
+    for impl in ("xla", "blockwise"):
+        out = Kernels.of(attention=impl).attention(
+            qkv, qkv, qkv, jnp.zeros(1), positions=pos, segment_ids=(pos >= 0).astype(jnp.int32),
+            window=None, block=2,
+        )  # fmt: skip
+        assert np.all(np.isfinite(out)) and np.all(np.asarray(out)[0, :2] == 0), impl
 
 
 # ----------------------------------------------------------------------------- whole model
@@ -153,6 +160,7 @@ def _forward(mc, params, tokens):
     return np.asarray(model.logits(hidden)), float(aux)
 
 
+@pytest.mark.full
 def test_scan_unscan_remat_and_backends_agree():
     mc = tiny_cfg()
     params = ModelDef(mc).init(0)
@@ -162,7 +170,9 @@ def test_scan_unscan_remat_and_backends_agree():
         dict(scan_layers=False),
         dict(remat_policy="none"),
         dict(remat_policy="save_dots"),
-        dict(attention_impl="blockwise", attention_block=16),
+        dict(kernels=Kernels.of(attention="blockwise"), attention_block=16),
+        dict(kernels=Kernels.of(attention="xla")),
+        dict(kernels=Kernels.everywhere("xla")),  # the references only, every op
         dict(moe_impl="ragged", scan_layers=False),
     ):
         got, aux = _forward(mc.replace(**kw), params, tokens)
@@ -170,6 +180,7 @@ def test_scan_unscan_remat_and_backends_agree():
         assert aux == pytest.approx(ref_aux, rel=1e-5)
 
 
+@pytest.mark.full
 def test_gradients_same_with_and_without_scan_and_remat():
     mc = tiny_cfg()
     params = ModelDef(mc).init(0)
@@ -191,6 +202,7 @@ def test_gradients_same_with_and_without_scan_and_remat():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.full
 def test_bfloat16_compute_stays_close_to_float32(monkeypatch):
     """bf16 keeps 8 mantissa bits: each rounding is off by up to 2^-9 ≈ 0.2% relative.
     Through 4 layers (matmuls accumulate in float32; norms, softmax, router in float32)

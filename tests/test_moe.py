@@ -10,7 +10,11 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import runtime, sharding
-from gpt_oss_train.model import grouped_matmul as gm
+from gpt_oss_train.arrays.layer_views import LayerView
+from gpt_oss_train.kernels import Kernels, registry
+from gpt_oss_train.kernels.cpu import build
+from gpt_oss_train.kernels.xla import experts
+from gpt_oss_train.kernels.xla import grouped_matmul as gm
 from gpt_oss_train.model import moe as moe_lib
 from gpt_oss_train.model import quantize, streamed_weights
 
@@ -98,9 +102,9 @@ def test_gathered_path_for_decode_sized_batches_matches_reference():
     weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
     ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
     # a CPU takes the grouped path at every size; accelerators gather at this one
-    assert not moe_lib.use_gathered(3, 2, 24)
+    assert not experts.use_gathered(3, 2, 24)
     for rows in (1, 16):  # one row per product (CPU form) or 16 (the GPU's GEMM form)
-        got = moe_lib.gathered_ffn(
+        got = experts.gathered(
             f32(x), weights, idx, ew, limit=7.0, alpha=1.702, dtype=jnp.float32, rows=rows
         )
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
@@ -109,38 +113,48 @@ def test_gathered_path_for_decode_sized_batches_matches_reference():
     qw = ew._replace(
         wi_gate=quantize.quantize_int8(ew.wi_gate, (1,)), wo=quantize.quantize_int8(ew.wo, (1,))
     )
-    for impl in (moe_lib.gathered_ffn, moe_lib.ragged_experts):
+    for impl in (experts.gathered, moe_lib.ragged_experts):
         got_q = impl(f32(x), weights, idx, qw, limit=7.0, alpha=1.702, dtype=jnp.float32)
         assert 0 < np.abs(got_q - ref).max() < 0.05 * np.abs(ref).max()
 
 
 def test_streamed_expert_weights_match_reference_on_every_path():
-    """Inference's layer views (model/streamed_weights.py): the layer's experts read from
-    a [layers, E, ...] stack give the reference's outputs on the pairwise (decode), tiled
-    (prefill) and whole-layer (dense) paths, for float and int8 stacks."""
+    """Inference's layer views (arrays/layer_views.py): the layer's experts read from a
+    [layers, E, ...] stack give the reference's outputs on the pairwise (decode), tiled
+    (prefill) and whole-layer (dense) paths, and on the MoE layer's decode path (the
+    `moe_decode` op: the CPU kernel where this machine builds it, else pairwise), for
+    float and int8 stacks."""
     x, kernel, bias, w = _moe_inputs(t=4, e=8)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
     layer = 1  # stack the layer between two others of different values
     stack = lambda a: jnp.stack([f32(a) * 3.0, f32(a), f32(a) - 1.0])
     layer_idx = jnp.asarray(layer, jnp.int32)
-    view = lambda a: streamed_weights.LayerView(a, layer_idx)
+    view = lambda a: LayerView(a, layer_idx)
     ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
     streamed = ew._replace(**{n: view(stack(w[n])) for n in streamed_weights.EXPERTS})
     ref = numpy_moe(x, kernel, bias, w, k=2)
-    assert moe_lib.use_pairwise(4, 2, streamed) and not moe_lib.use_pairwise(4, 2, ew)
-    assert not moe_lib.use_pairwise(moe_lib.PAIRWISE_MAX_PAIRS, 2, streamed)
-    for impl in (moe_lib.pairwise_ffn, moe_lib.grouped_experts, moe_lib.dense_experts):
-        got = jax.jit(lambda ws: impl(f32(x), weights, idx, ws, dtype=jnp.float32, **GLU))(streamed)
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert experts.use_pairwise(4, 2, streamed) and not experts.use_pairwise(4, 2, ew)
+    assert not experts.use_pairwise(experts.PAIRWISE_MAX_PAIRS, 2, streamed)
+    for impl in (
+        experts.pairwise,
+        moe_lib.grouped_experts,
+        moe_lib.dense_experts,
+        moe_lib.ragged_experts,
+    ):
+        fn = jax.jit(lambda ws: impl(f32(x), weights, idx, ws, dtype=jnp.float32, **GLU))
+        np.testing.assert_allclose(fn(streamed), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # the layer's decode path ran the CPU kernel exactly where the registry chose it
+    kernel_call = "gpt_oss_moe_decode" in fn.lower(streamed).as_text()
+    assert kernel_call == (Kernels().impl("moe_decode").name == "cpu")
     q = lambda a: quantize.quantize_int8(stack(a), (2,))
     qs = ew._replace(wi_gate=view(q(w["wi_gate"])), wo=view(q(w["wo"])))
     by_layer = ew._replace(
         wi_gate=quantize.quantize_int8(f32(w["wi_gate"]), (1,)),
         wo=quantize.quantize_int8(f32(w["wo"]), (1,)),
     )
-    want = moe_lib.gathered_ffn(f32(x), weights, idx, by_layer, dtype=jnp.float32, **GLU)
-    got = moe_lib.pairwise_ffn(f32(x), weights, idx, qs, dtype=jnp.float32, **GLU)
+    want = experts.gathered(f32(x), weights, idx, by_layer, dtype=jnp.float32, **GLU)
+    got = experts.pairwise(f32(x), weights, idx, qs, dtype=jnp.float32, **GLU)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     assert 0 < np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
 
@@ -191,8 +205,8 @@ def test_tiled_grouped_matmul_and_its_gradients_equal_float64(sizes, rows):
             for got, want in zip((y, *vjp(jnp.asarray(dy))), ref):
                 assert got.dtype == jnp.float64
                 np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=str(tiles))
-    # float32 operands: float32 rounding only (products of 8 terms)
-    f = lambda x, w: gm.grouped_matmul(x, w, gs, "tiled")
+    # float32 operands, the op's tile sizes: float32 rounding only (products of 8 terms)
+    f = lambda x, w: gm.tiled(x, w, gs)
     y, vjp = jax.vjp(f, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
     for got, want in zip((y, *vjp(jnp.asarray(dy, jnp.float32))), ref):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -205,24 +219,46 @@ def test_tile_sizes_follow_the_mean_group_size():
 
 
 def test_cpu_uses_tiles_and_int8_weights_dequantize_per_tile():
+    """float32 rows on a CPU, and any rows on a mesh of several CPU devices (what
+    `sharded` runs under shard_map), take the tiled XLA reference: the platform's choice
+    (the bf16 kernel, where built) declines them, and no kernel call is compiled. An int8
+    QArray is dequantized per group by the tiles."""
     x = jnp.ones((6, 8), jnp.float32)
     w = jnp.asarray(np.random.RandomState(0).randn(3, 8, 4), jnp.float32)
-    assert gm.kernel_for(x, w) == "tiled"
+    gs = jnp.array([2, 0, 4], jnp.int32)
+
+    def takes_the_reference(x, w):
+        impl = Kernels().impl("grouped_matmul")
+        assert impl.name in ("cpu", "xla")
+        hlo = jax.jit(lambda x, w: Kernels().grouped_matmul(x, w, gs)).lower(x, w).as_text()
+        return (impl.name == "xla" or not impl.takes(x, w, gs)) and "gpt_oss_grouped" not in hlo
+
+    assert takes_the_reference(x, w)
     mesh = sharding.make_mesh(dict(data=1, fsdp=4, tensor=1, expert=2))
     with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
-        assert gm.kernel_for(x, w) == "tiled"  # what `sharded` runs under shard_map
+        assert takes_the_reference(x, w)
+        assert takes_the_reference(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     q = quantize.quantize_int8(w, (1,))
-    gs = jnp.array([2, 0, 4], jnp.int32)
     want = jax.lax.ragged_dot(x, q.astype(jnp.float32), gs)
-    np.testing.assert_allclose(gm.grouped_matmul(x, q, gs), want, rtol=1e-6)
+    np.testing.assert_allclose(Kernels().grouped_matmul(x, q, gs), want, rtol=1e-6)
+    np.testing.assert_allclose(gm.tiled(x, q, gs), want, rtol=1e-6)
 
 
 def test_cpus_without_bfloat16_dot_products_keep_the_tiled_kernel(monkeypatch):
     """The AVX512-BF16 kernels are chosen by the CPU's flags (and built only there); other
-    CPUs, such as a Zen 3, multiply bfloat16 rows with the tiled kernel."""
+    CPUs, such as a Zen 3, multiply bfloat16 rows with the tiled kernel (the `xla`
+    reference), and the start-up line says why."""
     x, w = jnp.ones((6, 8), jnp.bfloat16), jnp.ones((3, 8, 4), jnp.bfloat16)
     monkeypatch.setattr(runtime, "cpu_flags", lambda path=None: frozenset({"avx2", "fma"}))
-    assert gm.kernel_for(x, w) == "tiled"
+    # The checks are cached per process (the real CPU's answer): ask afresh, uncached; the
+    # missing flag answers before anything is built.
+    monkeypatch.setattr(build, "unavailable", build.unavailable.__wrapped__)
+    monkeypatch.setattr(registry, "_unavailable", registry._unavailable.__wrapped__)
+    impl = Kernels().impl("grouped_matmul", "cpu")
+    assert impl.name == "xla" and impl is registry.OPS["grouped_matmul"].reference
+    assert "grouped_matmul=xla (cpu: no avx512_bf16)" in Kernels().describe("cpu")
+    hlo = jax.jit(lambda x, w: Kernels().grouped_matmul(x, w, jnp.array([2, 0, 4]))).lower(x, w)
+    assert "gpt_oss_grouped" not in hlo.as_text()
 
 
 # ----------------------------------------------------------------------------- MoE gradients

@@ -37,7 +37,10 @@ SMALLER = [
 # CI may run other work beside it. A hang (a process stuck in a collective) is killed.
 LAUNCH_TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="launch/local.sh is bash")
+pytestmark = [
+    pytest.mark.full,  # several jax.distributed processes
+    pytest.mark.skipif(sys.platform == "win32", reason="launch/local.sh is bash"),
+]
 
 
 def _free_port() -> int:
@@ -158,7 +161,7 @@ def _expected_iterator_state(process: int, batches: int) -> dict:
     return json.loads(json.dumps(pipeline.iterator.get_state()))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_two_processes_train_checkpoint_and_resume(tmp_path):
     workdir = str(tmp_path / "run")
     cache_dir = str(tmp_path / "jax_cache")

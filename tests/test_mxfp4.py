@@ -1,10 +1,10 @@
-"""Tests for gpt_oss_train.io.mxfp4: the E2M1 value table, nibble order and scales, and
+"""Tests for gpt_oss_train.arrays.mxfp4: the E2M1 value table, nibble order and scales, and
 round-to-nearest-even quantization, against a bit-field reference (conftest's mxfp4_reference)."""
 
 import numpy as np
 
-from gpt_oss_train.io import mxfp4
-from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from gpt_oss_train.arrays import mxfp4
+from gpt_oss_train.arrays.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
 def test_fp4_lut_matches_bit_fields(mxfp4_reference):

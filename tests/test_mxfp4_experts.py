@@ -1,6 +1,8 @@
-"""MXFP4 decode experts (model/mxfp4_experts.py): the in-kernel E2M1/E8M0 decoding against
-the numpy codec, and the whole expert FFN in Pallas interpret mode against
-dequantize-then-multiply in float64. The compiled-kernel check needs a GPU."""
+"""MXFP4 decode experts (kernels/gpu/mxfp4_experts.py): the in-kernel E2M1/E8M0 decoding
+against the numpy codec, and the whole expert FFN in Pallas interpret mode against
+dequantize-then-multiply in float64, directly and as the `moe_decode` op's `pallas_gpu`
+implementation (on the model's MXFP4Array experts) through the kernel registry. The
+compiled-kernel check needs a GPU."""
 
 import re
 
@@ -9,10 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpt_oss_train.io.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
-from gpt_oss_train.model import decode_experts as dex
+from gpt_oss_train.arrays import mxfp4_array
+from gpt_oss_train.arrays.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+from gpt_oss_train.kernels import Kernels, registry
+from gpt_oss_train.kernels.gpu import decode_experts as dex
+from gpt_oss_train.kernels.gpu import mxfp4_experts as mx
+from gpt_oss_train.kernels.gpu.interpret import interpret_mode
 from gpt_oss_train.model import moe as moe_lib
-from gpt_oss_train.model import mxfp4_experts as mx
 
 LIMIT, ALPHA = 7.0, 1.702  # gpt-oss's SwiGLU clamp and slope
 
@@ -71,6 +76,54 @@ def test_ffn_matches_float64_dequantize_then_multiply(t, k, e, one_expert, exper
     # float32 sums of 96-192 products of O(1-10) terms: ~1e-6 of the scale; a wrong nibble,
     # scale or expert is off by O(1)
     np.testing.assert_allclose(got, ref, atol=2e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 4, 8), (5, 2, 4)], ids=["batch1", "batch5_every_expert"])
+def test_registry_pallas_moe_decode_on_mxfp4_arrays_equals_dequantized_reference(
+    t, k, e, expert_ffn_reference
+):
+    """Kernels.of(moe_decode="pallas_gpu") in interpret mode on a CPU, on the model's MXFP4
+    experts (MXFP4Arrays made by arrays.mxfp4_array.quantize from dense weights; in = 64
+    and 32, 2 and 1 groups padded to 8): the MXFP4 Pallas kernel runs and equals the op's
+    xla reference (the gathered path) on the dequantized dense weights, and float64 numpy
+    on them."""
+    d, f = 64, 32
+    rng = np.random.RandomState(20 + t)
+    x = rng.randn(t, d)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    weights = rng.dirichlet(np.ones(k), t)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    dense = dict(
+        wi_gate=rng.randn(e, d, f) * 0.3,
+        wi_up=rng.randn(e, d, f) * 0.3,
+        wo=rng.randn(e, f, d) * 0.3,
+    )
+    packed = {n: jax.jit(mxfp4_array.quantize)(f32(a)) for n, a in dense.items()}
+    dequantize = jax.jit(lambda p: p.astype(jnp.float32))
+    deq = {n: np.asarray(dequantize(p), np.float64) for n, p in packed.items()}
+    assert all(0 < np.abs(deq[n] - dense[n]).max() for n in dense)  # 4-bit: not the originals
+    biases = dict(bi_gate=rng.randn(e, f), bi_up=rng.randn(e, f), bo=rng.randn(e, d))
+    numpy_ref = expert_ffn_reference(x, weights, idx, {**deq, **biases})
+    b32 = {n: f32(a) for n, a in biases.items()}
+    ew = moe_lib.ExpertWeights(**packed, **b32)
+    ew_dense = moe_lib.ExpertWeights(**{n: f32(a) for n, a in deq.items()}, **b32)
+    tokens = (f32(x), f32(weights), jnp.asarray(idx, jnp.int32))
+    kw = dict(limit=LIMIT, alpha=ALPHA, dtype=jnp.float32)
+    xla_impl = registry.OPS["moe_decode"].impl("xla")  # on a CPU the op itself declines
+    ref = np.asarray(jax.jit(lambda *a: xla_impl.call(*a, **kw))(*tokens, ew_dense))
+    kernels = Kernels.of(moe_decode="pallas_gpu")
+    op = lambda *a: kernels.moe_decode(*a, **kw)
+    with interpret_mode():
+        impl = kernels.impl("moe_decode", "cpu")
+        assert impl.name == "pallas_gpu" and impl.takes(*tokens, ew, **kw)
+        names = re.findall(r"gpt_oss_\w+_kernel", str(jax.make_jaxpr(op)(*tokens, ew)))
+        assert names == ["gpt_oss_mxfp4_kernel"] * 2
+        got = np.asarray(jax.jit(op)(*tokens, ew))
+    # float32 sums of 32-64 products: ~1e-6 of the scale; a wrong nibble, scale or expert
+    # is off by O(1)
+    scale = np.abs(numpy_ref).max()
+    np.testing.assert_allclose(ref, numpy_ref, atol=2e-6 * scale)
+    np.testing.assert_allclose(got, ref, atol=2e-6 * scale)
 
 
 def _values(m: mx.MXFP4Matrix) -> np.ndarray:

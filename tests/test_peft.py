@@ -16,13 +16,16 @@ transformers = pytest.importorskip("transformers")
 
 from gpt_oss_train import config as config_lib  # noqa: E402
 from gpt_oss_train import sharding  # noqa: E402
+from gpt_oss_train.arrays import mxfp4_array  # noqa: E402
 from gpt_oss_train.inference import adapters as adapters_lib  # noqa: E402
 from gpt_oss_train.io import hf, lora_export  # noqa: E402
 from gpt_oss_train.io import peft as peft_io  # noqa: E402
-from gpt_oss_train.model import lora, mxfp4_array  # noqa: E402
+from gpt_oss_train.model import lora  # noqa: E402
 from gpt_oss_train.model.transformer import ModelDef  # noqa: E402
 from gpt_oss_train.training import lora as lora_training  # noqa: E402
 from gpt_oss_train.training import steps  # noqa: E402
+
+pytestmark = pytest.mark.full  # PEFT's reference on transformers: over a minute
 
 ALL = tuple(lora.TARGETS)
 # hidden 64 and expert hidden 32: every A and B of the experts has its own shape, so a

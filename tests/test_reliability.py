@@ -24,6 +24,8 @@ from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import steps as steps_lib
 from gpt_oss_train.training.metrics import read_metrics_jsonl
 
+pytestmark = pytest.mark.full  # fault injection over training runs: minutes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

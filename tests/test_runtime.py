@@ -1,4 +1,5 @@
-"""runtime.py: the per-machine dtype choice and the compilation cache's folder."""
+"""runtime.py: the per-platform dtype choice, the compilation cache's folder and the
+process setup (the reuse of freed buffers on CPUs only)."""
 
 import os
 import platform
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import runtime
+from gpt_oss_train import runtime, sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,11 +44,41 @@ def test_explicit_dtypes_win_and_model_configs_get_a_concrete_one():
     c = config_lib.default_config()
     assert c.dtype == "auto"
     config_lib.validate(c)
-    here = "bfloat16" if runtime.fast_bfloat16() else "float32"
+    here = "bfloat16" if runtime.fast_bfloat16(sharding.platform()) else "float32"
+    assert sharding.platform() == "cpu"
     assert config_lib.ModelConfig.from_config(c).dtype == here
+    # an ahead-of-time compile for a TPU on this host resolves "auto" for the TPU
+    assert config_lib.ModelConfig.from_config(c, platform="tpu").dtype == "bfloat16"
     c.dtype = "bf16"
     with pytest.raises(config_lib.ConfigError, match="config.dtype"):
         config_lib.validate(c)
+
+
+def test_the_platform_is_a_required_argument():
+    """No function guesses the platform from the machine: the caller names the one its
+    program runs on (sharding.platform())."""
+    for fn in (runtime.fast_bfloat16, runtime.inference_compiler_options, runtime.setup_process):
+        with pytest.raises(TypeError):
+            fn()
+    with pytest.raises(TypeError):
+        runtime.resolve_dtype("auto")
+
+
+def test_inference_compiler_options_are_a_cpu_workaround():
+    assert runtime.inference_compiler_options("cpu") == {
+        "xla_disable_hlo_passes": "while-loop-invariant-code-motion"
+    }
+    assert runtime.inference_compiler_options("gpu") == {}
+    assert runtime.inference_compiler_options("tpu") == {}
+
+
+@pytest.mark.parametrize("platform,reuses", [("cpu", True), ("gpu", False), ("tpu", False)])
+def test_setup_process_reuses_freed_memory_only_on_a_cpu(monkeypatch, platform, reuses):
+    calls = []
+    monkeypatch.setattr(runtime, "setup_compilation_cache", lambda: calls.append("cache"))
+    monkeypatch.setattr(runtime, "reuse_freed_memory", lambda: calls.append("reuse") or True)
+    runtime.setup_process(platform)
+    assert calls == (["cache", "reuse"] if reuses else ["cache"])
 
 
 def test_compilation_cache_folder(monkeypatch, tmp_path):
@@ -86,13 +117,16 @@ def test_compiled_programs_land_in_the_cache(tmp_path):
 def test_large_freed_buffers_stay_in_the_heap_for_reuse():
     """glibc's own accounting (mallinfo2): by default a 100 MB buffer is a fresh mapping,
     unmapped when freed (faulted in and zeroed again on the next step); after
-    reuse_freed_memory it comes from the heap and its pages stay there once freed."""
+    reuse_freed_memory it comes from the heap and its pages stay there once freed. A
+    process set up for a CPU program does that; one set up for an accelerator does not."""
     code = (
         "import ctypes, sys\n"
         "import numpy as np\n"
         "from gpt_oss_train import runtime\n"
         "if sys.argv[1] == 'on':\n"
         "    assert runtime.reuse_freed_memory()\n"
+        "elif sys.argv[1] != 'off':\n"
+        "    runtime.setup_process(sys.argv[1])\n"
         "class Info(ctypes.Structure):\n"
         "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd '\n"
         "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
@@ -105,11 +139,13 @@ def test_large_freed_buffers_stay_in_the_heap_for_reuse():
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     mib = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "on", "cpu", "gpu"):
         r = subprocess.run(
             [sys.executable, "-c", code, mode], cwd=ROOT, env=env, capture_output=True, text=True
         )
         assert r.returncode == 0, r.stderr[-2000:]
         mib[mode] = [int(v) for v in r.stdout.split()[-2:]]  # (mapped, free in heap) MiB
-    assert mib["off"][0] >= 100 and mib["off"][1] < 100, mib
-    assert mib["on"][0] < 100 <= mib["on"][1], mib
+    for mode in ("off", "gpu"):
+        assert mib[mode][0] >= 100 and mib[mode][1] < 100, mib
+    for mode in ("on", "cpu"):
+        assert mib[mode][0] < 100 <= mib[mode][1], mib

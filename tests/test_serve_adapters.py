@@ -29,6 +29,8 @@ from gpt_oss_train.io import peft as peft_io
 from gpt_oss_train.model import lora
 from gpt_oss_train.model.transformer import ModelDef
 
+pytestmark = pytest.mark.full  # servers with adapters: tens of seconds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = dict(max_slots=4, max_context=64, prefill_chunk=16, prefix_cache_tokens=256)
 DECODE = loading.Options(batch_size=1, prefill_chunk=16)  # decode's run of one prompt

@@ -5,6 +5,9 @@ streamed, reasoning effort, a tool call round trip, stop strings, logprobs, and
 against decode's generate / score on the same checkpoint."""
 
 import json
+import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -14,6 +17,8 @@ hm = pytest.importorskip("harmony_model")
 
 from gpt_oss_train.inference import loading, requests  # noqa: E402
 from gpt_oss_train.io import tokenizer as tok_lib  # noqa: E402
+
+pytestmark = pytest.mark.full  # the trained Harmony model (a few minutes, once per machine)
 
 TOKENIZER = tok_lib.Tokenizer()
 MODEL = "tiny-harmony"
@@ -197,3 +202,71 @@ def test_models_and_errors_through_the_client(client):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt=[1] * 600, max_tokens=1)
+
+
+def _post(url, body: bytes):
+    """(status, JSON body) of a raw POST: bodies the openai client cannot send."""
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _assert_answers(client):
+    """The server still serves: greedy chat gives the memorised reply."""
+    prompt, _, effort, reply = _example(0)
+    resp = client.chat.completions.create(model=MODEL, messages=prompt, reasoning_effort=effort,
+                                          **GREEDY)  # fmt: skip
+    assert resp.choices[0].message.content == reply[1]["content"]
+
+
+def test_a_2mb_prompt_is_refused_before_tokenizing_and_the_server_serves_on(client):
+    """No o200k token is longer than 128 bytes, so 2,000,000 bytes of text are at least
+    15,625 tokens: more than the 512 positions, refused without tokenizing (the message
+    gives that bound, not a token count)."""
+    big = "x" * 2_000_000
+    start = time.perf_counter()
+    for call in (
+        lambda: client.completions.create(model=MODEL, prompt=big, max_tokens=4),
+        lambda: client.completions.create(model=MODEL, prompt=["hi", big], max_tokens=4),
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": big}]
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            call()
+        error = caught.value.body
+        assert caught.value.status_code == 400 and error["code"] == "context_length_exceeded"
+        assert "2000000 bytes of text are at least 15625 tokens" in error["message"]
+        assert error["param"] in ("prompt", "messages")
+    assert time.perf_counter() - start < 30
+    _assert_answers(client)
+
+
+def test_the_length_bound_refuses_nothing_that_fits(client):
+    """65,024 spaces are 508 tokens of 128 spaces: with 4 more tokens they fill the 512
+    positions exactly, so they must be served; asking for 5 more is refused up front."""
+    spaces = " " * (128 * 508)
+    ok = client.completions.create(model=MODEL, prompt=spaces, max_tokens=4, temperature=0)
+    assert ok.usage.prompt_tokens == 508 and ok.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="at least 508 tokens and 5 more"):
+        client.completions.create(model=MODEL, prompt=spaces, max_tokens=5)
+
+
+def test_bodies_fastapi_refuses_itself_get_openais_error_json(server, client):
+    url = server.url + "/v1/chat/completions"
+    deep = b'{"model": "tiny-harmony", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, body = _post(url, deep)  # json.loads raises RecursionError inside FastAPI
+    assert status == 400, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "nested too deeply" in body["error"]["message"]
+    status, body = _post(url, b"[1, 2]")  # valid JSON, not an object
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = _post(server.url + "/v1/no_such_route", b"{}")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = _post(server.url + "/v1/models", b"{}")  # GET only
+    assert status == 405 and body["error"]["message"] == "Method Not Allowed"
+    _assert_answers(client)

@@ -3,12 +3,13 @@ stop strings, OpenAI <-> Harmony messages, and streamed reasoning / content / to
 deltas, each against an independent reference (the text itself, str.find, harmony's own
 parse of the whole completion, the tokenizer's render of hand-written Harmony dicts)."""
 
+import base64
 import json
 import random
 
 import pytest
 
-from gpt_oss_train.inference.server import chat_format, text
+from gpt_oss_train.inference.server import chat_format, generation, text
 from gpt_oss_train.inference.server.harmony_stream import ChatStream
 from gpt_oss_train.inference.server.schemas import ChatCompletionRequest
 from gpt_oss_train.io import tokenizer as tok_lib
@@ -176,3 +177,55 @@ def test_tool_choice_none_hides_tools_and_unknown_call_id_is_refused():
     bad = {**base, "messages": [{"role": "tool", "tool_call_id": "nope", "content": "1"}]}
     with pytest.raises(Exception, match="tool_call_id"):
         chat_format.prompt_ids(ChatCompletionRequest.model_validate(bad), TOKENIZER)
+
+
+def test_no_token_is_longer_than_the_servers_length_bound():
+    """The bound the server refuses long prompts by (at least ceil(bytes / 128) tokens)
+    holds only if no o200k token has more than 128 bytes: read every token of the
+    vocabulary file (base64 token, rank per line)."""
+    folder = tok_lib.ensure_vocab()
+    lines = (folder / tok_lib.VOCAB_FILE).read_bytes().splitlines()
+    longest = max(len(base64.b64decode(line.split()[0])) for line in lines if line)
+    assert longest == generation.LONGEST_TOKEN_BYTES == 128
+    rng = random.Random(0)
+    for _ in range(50):
+        t = "".join(rng.choice(" \n=x9é東🙂") * rng.randint(1, 300) for _ in range(20))
+        assert len(TOKENIZER.encode(t)) >= -(-len(t.encode()) // 128)
+
+
+def test_prompt_texts_are_in_the_rendered_prompt_verbatim():
+    """The server's lower bound counts the bytes of prompt_texts: each must be in the
+    render, once per message, and reasoning of finished turns (dropped) must not count."""
+    tool = {
+        "type": "function",
+        "function": {**WEATHER["function"], "description": "Weather.\r\nIn C\rF.\n\nEnd"},
+    }
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "tools": [tool],
+            "messages": [
+                {"role": "system", "content": "  Terse.\n"},
+                {"role": "developer", "content": "Use metric units. "},
+                {"role": "user", "content": [{"type": "text", "text": "Weather "},
+                                             {"type": "text", "text": "in Paris?"}]},
+                {"role": "assistant", "content": "Checking.", "reasoning_content": "Dropped?",
+                 "tool_calls": [{"id": "call_1", "type": "function",
+                                 "function": {"name": "get_weather", "arguments": ARGS}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18}'},
+                {"role": "assistant", "content": "18 C.", "reasoning_content": "Old thought."},
+                {"role": "user", "content": "Thanks"},
+            ],
+        }
+    )  # fmt: skip
+    rendered = TOKENIZER.decode(chat_format.prompt_ids(req, TOKENIZER))
+    texts = chat_format.prompt_texts(req)
+    assert texts == ["  Terse.\n", "Use metric units. ", "Weather in Paris?", "Checking.",
+                     '{"temp": 18}', "18 C.", "Thanks", ARGS,
+                     "get_weather", "Weather.", "In C\rF.", "", "End"]  # fmt: skip
+    for t in texts:
+        assert t in rendered
+    assert "// In C\rF.\n// \n// End\n" in rendered  # a description line by line
+    assert "Old thought." not in rendered  # why reasoning is not counted
+    hidden = ChatCompletionRequest.model_validate({**req.model_dump(), "tool_choice": "none"})
+    assert chat_format.prompt_texts(hidden) == texts[:8]  # tools left out of the prompt

@@ -27,6 +27,8 @@ import pytest
 from gpt_oss_train.inference import loading, requests
 from gpt_oss_train.inference.server.local import free_port, wait_ready
 
+pytestmark = pytest.mark.full  # server load
+
 MAX_SLOTS, MAX_QUEUE, MAX_CONTEXT = 4, 6, 256
 MODEL = "tiny"
 

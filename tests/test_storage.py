@@ -27,7 +27,7 @@ from gpt_oss_train.io import workdir_lock as wl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(params=["local", "gcs"])
+@pytest.fixture(params=["local", pytest.param("gcs", marks=pytest.mark.full)])
 def root(request, tmp_path):
     """An empty run folder: a local path, or a gs:// folder on the emulator."""
     if request.param == "local":

@@ -20,6 +20,8 @@ import pytest
 from gpt_oss_train.io import storage, workdir_lock
 from gpt_oss_train.training import checkpoint as ckpt_lib
 
+pytestmark = pytest.mark.full  # the GCS emulator
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = jax.sharding.PartitionSpec
 

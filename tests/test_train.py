@@ -76,6 +76,7 @@ def single_device_losses(tmp_path_factory):
         (dict(data=8, fsdp=1, tensor=1, expert=1), "ragged"),
     ],
 )
+@pytest.mark.full
 def test_meshes_match_single_device(mesh, moe, single_device_losses, tmp_path):
     """Same data, same init, same math: only the order of float32 reductions differs
     between shardings (partial sums per shard, then an all-reduce). Relative rounding of a
@@ -89,6 +90,7 @@ def test_meshes_match_single_device(mesh, moe, single_device_losses, tmp_path):
     np.testing.assert_allclose(got, single_device_losses, rtol=1e-5)
 
 
+@pytest.mark.full
 def test_gradient_accumulation_equals_a_bigger_batch():
     """k microbatches summed then divided by the total token count is the same gradient as
     one batch. The MoE load-balancing loss is the exception (it is a product of two
@@ -150,7 +152,9 @@ def _losses(workdir):
 
 
 @pytest.mark.parametrize(
-    "sig, after", [(signal.SIGTERM, 6), (signal.SIGKILL, 8)], ids=["sigterm", "kill-9"]
+    "sig, after",
+    [(signal.SIGTERM, 6), pytest.param(signal.SIGKILL, 8, marks=pytest.mark.full)],
+    ids=["sigterm", "kill-9"],
 )
 def test_stop_then_resume_reproduces_the_uninterrupted_run(tmp_path, sig, after):
     """SIGTERM saves and exits 0; kill -9 right after step 8 (its asynchronous save in
@@ -197,6 +201,7 @@ def _tree_digest(path):
     return h.hexdigest()
 
 
+@pytest.mark.full
 def test_workdir_with_another_models_checkpoint_is_refused_and_untouched(tmp_path):
     c = tiny_config(steps=1)
     c.checkpoint.every = 1
@@ -283,6 +288,7 @@ def test_cli_rejects_unknown_config_key(tmp_path):
     assert r.returncode != 0 and "stepz" in r.stderr
 
 
+@pytest.mark.full
 def test_finetune_init_from_hf_then_from_orbax(tmp_path, read_hf_tree):
     """init_from loads params only, and the architecture comes from the checkpoint (the
     config's model section is ignored). With learning rate 0 the first run leaves the HF
@@ -322,6 +328,7 @@ def test_finetune_init_from_hf_then_from_orbax(tmp_path, read_hf_tree):
     assert second["losses"][2] != second["losses"][1]  # and it trains from there
 
 
+@pytest.mark.full
 def test_sft_on_harmony_chat_data(tmp_path):
     """The loss falls, and only what the assistant writes is trained: every target with
     loss weight lies after an <|start|>assistant header (found here from the token ids)."""

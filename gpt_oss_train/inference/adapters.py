@@ -22,8 +22,10 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from gpt_oss_train import architecture
+from gpt_oss_train.config import LoraSpec, parse_targets
 from gpt_oss_train.io import peft as peft_io
-from gpt_oss_train.model import architecture, lora, parameters
+from gpt_oss_train.model import lora, parameters
 from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training.lora import META_KEY
 
@@ -56,7 +58,7 @@ def base_of(named: Sequence[tuple[str, str]]) -> str:
 class Adapter:
     name: str
     path: str
-    spec: lora.LoraSpec
+    spec: LoraSpec
     tree: dict  # our adapter tree, float32 numpy, [layers, ...] leaves
     base: dict  # what it was trained on ({"source", "seed", "format"}), if known
 
@@ -86,12 +88,12 @@ def read_adapter(path: str, arch: Mapping[str, Any], name: str = "") -> Adapter:
             f"--adapter={path} was trained on another base ({k}: {stored.get(k)!r} there, "
             f"{arch.get(k)!r} in --checkpoint)"
         )
-    spec = lora.LoraSpec.from_json(meta)
+    spec = LoraSpec.from_json(meta)
     tree = ckpt_lib.load_params(path, _abstract(spec, arch))[0]
     return Adapter(name, path, spec, jax.device_get(tree), dict(meta.get("base", {})))
 
 
-def _abstract(spec: lora.LoraSpec, arch: Mapping[str, Any]) -> dict:
+def _abstract(spec: LoraSpec, arch: Mapping[str, Any]) -> dict:
     """The adapter tree's shapes for a base, on one device (restored to host after)."""
     from gpt_oss_train import config as config_lib
     from gpt_oss_train.model.transformer import ModelDef
@@ -102,12 +104,12 @@ def _abstract(spec: lora.LoraSpec, arch: Mapping[str, Any]) -> dict:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), shapes)
 
 
-def stack(adapters: Sequence[Adapter], arch: Mapping[str, Any]) -> tuple[lora.LoraSpec, dict]:
+def stack(adapters: Sequence[Adapter], arch: Mapping[str, Any]) -> tuple[LoraSpec, dict]:
     """Several adapters as one stacked tree (see the module docstring): slot 0 none,
     adapter i in slot i + 1; every leaf [layers, n + 1, ...]."""
-    targets = lora.parse_targets([t for a in adapters for t in a.spec.targets])
+    targets = parse_targets([t for a in adapters for t in a.spec.targets])
     rank = max(a.spec.rank for a in adapters)
-    spec = lora.LoraSpec(rank, float(rank), targets).stacked(len(adapters) + 1)
+    spec = LoraSpec(rank, float(rank), targets).stacked(len(adapters) + 1)
     sizes = {**parameters.dim_sizes(arch), "R": rank}
     out = {}
     for kind in parameters.KINDS:

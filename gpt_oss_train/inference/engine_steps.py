@@ -69,7 +69,7 @@ class EngineSteps:
         # prompt token left to prefill.
         self.max_prefix_blocks = min(pool_blocks, (max_context - 1) // block)
         self.id_slots = max(self.max_prefix_blocks, 1)  # length of admit's block_ids
-        options = runtime.inference_compiler_options()
+        options = runtime.inference_compiler_options(sharding.platform())
         self.prefill = jax.jit(
             self._prefill,
             donate_argnums=(1,),

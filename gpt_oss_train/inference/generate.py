@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from gpt_oss_train import runtime
+from gpt_oss_train import runtime, sharding
 from gpt_oss_train.inference import sampling as sampling_lib
 from gpt_oss_train.model import kv_cache
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
@@ -76,7 +76,7 @@ class Generator:
         self.int8_kv = int8_kv_cache
         self.dtype = DTYPES[self.cfg.dtype]
         self.on_token = on_token
-        options = runtime.inference_compiler_options()
+        options = runtime.inference_compiler_options(sharding.platform())
         self._prefill = jax.jit(self._prefill_chunk, donate_argnums=(1,), compiler_options=options)
         self._decode = jax.jit(
             self._decode_loop,

@@ -16,13 +16,13 @@ from typing import Any, Sequence
 import jax
 from absl import logging
 
+from gpt_oss_train import architecture, runtime, sharding
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import huge_pages, runtime, sharding
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io import storage
 from gpt_oss_train.io import tokenizer as tok_lib
-from gpt_oss_train.model import architecture
+from gpt_oss_train.kernels import platforms
 from gpt_oss_train.model.transformer import ModelDef
 from gpt_oss_train.training import checkpoint as ckpt_lib
 
@@ -36,11 +36,10 @@ class DecodeError(UserError):
 
 def default_runtime_config():
     """The runtime used without --config: no remat (nothing is differentiated), ragged MoE,
-    XLA attention, scanned layers, the default mesh (FSDP over the local devices)."""
+    the platform's kernels, scanned layers, the default mesh (FSDP over the local devices)."""
     c = config_lib.default_config()
     c.remat_policy = "none"
     c.moe_impl = "ragged"
-    c.attention_impl = "xla"
     c.scan_layers = True
     return c
 
@@ -160,18 +159,20 @@ def _place(
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
     mesh of the runtime config (over `devices`, default the local ones), int8-quantized
     if asked, with `adapters` ([(name, folder)]) beside the base."""
-    if config.dtype == "auto":
-        # This machine's compute dtype, and the weights kept in it, as vLLM serves: a
-        # decode step is bound by reading the weights, and the CPU kernels read bfloat16
-        # ones at half float32's bytes.
-        config = config.copy_and_resolve_references()
-        platform = (devices or jax.local_devices())[0].platform
-        config.dtype = config.param_dtype = runtime.resolve_dtype("auto", platform)
-    # The adapters, not the runtime config, say what LoRA the model carries.
-    md = ModelDef(config_lib.ModelConfig.from_config(config, arch).replace(lora=None))
     rules = sharding.validate_rules(config.logical_axis_rules)
     devices = jax.local_devices() if devices is None else devices
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
+    platform = sharding.platform(mesh)
+    if config.dtype == "auto":
+        # The platform's compute dtype, and the weights kept in it, as vLLM serves: a
+        # decode step is bound by reading the weights, and the CPU kernels read bfloat16
+        # ones at half float32's bytes.
+        config = config.copy_and_resolve_references()
+        config.dtype = config.param_dtype = runtime.resolve_dtype("auto", platform)
+    # The adapters, not the runtime config, say what LoRA the model carries.
+    cfg = config_lib.ModelConfig.from_config(config, arch, platform).replace(lora=None)
+    md = ModelDef(cfg)
+    kernels = cfg.kernels.describe(platform)  # a kernel of another platform fails here
     logging.info(
         "Loading %s model %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
     )
@@ -185,8 +186,8 @@ def _place(
         from gpt_oss_train.inference import adapters as adapters_lib
 
         adapters_lib.attach(model, adapters)
-    # Decode streams these weights every step: 2 MB pages spare a page walk every 4 KB.
-    huge_pages.back_with_huge_pages(model.params)
+    platforms.place_weights(model.params, platform)
+    logging.info("%s", kernels)
     return model
 
 

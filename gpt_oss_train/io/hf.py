@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
+from gpt_oss_train.arrays.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.io.hf_config import (
@@ -56,7 +57,6 @@ from gpt_oss_train.io.hf_config import (
     hf_config_to_model_dict,
     model_dict_to_hf_config,
 )
-from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gpt_oss_train.io.safetensors_io import (
     FLOAT_DTYPES,
     ST_DTYPES,

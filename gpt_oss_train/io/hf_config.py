@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from gpt_oss_train import architecture
+from gpt_oss_train.architecture import SWIGLU_ALPHA
 from gpt_oss_train.io.tokenizer import CALL_ID, ENDOFTEXT_ID, RETURN_ID, STARTOFTEXT_ID
-from gpt_oss_train.model import architecture
-from gpt_oss_train.model.architecture import SWIGLU_ALPHA
 
 __all__ = [
     "hf_config_to_model_dict",

@@ -10,8 +10,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from gpt_oss_train.arrays.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from gpt_oss_train.config import LoraSpec
 from gpt_oss_train.io import hf
-from gpt_oss_train.io.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gpt_oss_train.model import lora, parameters
 
 
@@ -42,7 +43,7 @@ class RequantError:
 
 
 def merged_getter(
-    spec: lora.LoraSpec, adapters: Mapping, read_base: Callable[[str, Any], np.ndarray],
+    spec: LoraSpec, adapters: Mapping, read_base: Callable[[str, Any], np.ndarray],
     errors: RequantError | None = None,
 ):  # fmt: skip
     """get_param(path, layers) for save_hf: the base's array plus the adapter's delta.

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import ml_dtypes  # noqa: F401  (makes bfloat16 safetensors readable through numpy)
 import numpy as np
 
+from gpt_oss_train.config import LoraSpec, parse_targets
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.model import lora as lora_lib
 from gpt_oss_train.model import parameters
@@ -50,7 +51,7 @@ def _module(target: str, targets: tuple[str, ...]) -> str:
     return module
 
 
-def tensor_names(spec: lora_lib.LoraSpec, num_layers: int) -> dict[str, tuple[str, int, str]]:
+def tensor_names(spec: LoraSpec, num_layers: int) -> dict[str, tuple[str, int, str]]:
     """PEFT tensor name -> (target, HF layer, "A" | "B") for every tensor of an adapter."""
     out = {}
     for n in range(num_layers):
@@ -60,7 +61,7 @@ def tensor_names(spec: lora_lib.LoraSpec, num_layers: int) -> dict[str, tuple[st
     return out
 
 
-def adapter_config(spec: lora_lib.LoraSpec, base: str = "") -> dict:
+def adapter_config(spec: LoraSpec, base: str = "") -> dict:
     modules = [LORA_TARGETS[t].peft for t in spec.targets if not LORA_TARGETS[t].is_parameter]
     params = [LORA_TARGETS[t].peft for t in spec.targets if LORA_TARGETS[t].is_parameter]
     return {
@@ -87,7 +88,7 @@ def _layer(adapters: Mapping, path: str, n: int) -> np.ndarray:
     return np.asarray(lora_lib.get(adapters, f"blocks/{KINDS[n % 2]}/{path}")[n // 2])
 
 
-def to_peft_tensors(spec: lora_lib.LoraSpec, adapters: Mapping, num_layers: int) -> dict:
+def to_peft_tensors(spec: LoraSpec, adapters: Mapping, num_layers: int) -> dict:
     """Our adapter tree -> {PEFT tensor name: float32 array}."""
     out = {}
     for name, (t, n, ab) in tensor_names(spec, num_layers).items():
@@ -100,7 +101,7 @@ def to_peft_tensors(spec: lora_lib.LoraSpec, adapters: Mapping, num_layers: int)
 
 
 def save_peft(
-    out_dir: str, spec: lora_lib.LoraSpec, adapters: Mapping, num_layers: int, base: str = ""
+    out_dir: str, spec: LoraSpec, adapters: Mapping, num_layers: int, base: str = ""
 ):
     """Writes a PEFT adapter folder (refuses a non-empty out_dir)."""
     from safetensors.numpy import save_file
@@ -135,10 +136,10 @@ def _targets_from_config(cfg: dict, where: str) -> tuple[str, ...]:
                     f"supported: {sorted(by_peft)}"
                 )
             names.append(by_peft[match[0]])
-    return lora_lib.parse_targets(names, f"{where}: targets")
+    return parse_targets(names, f"{where}: targets")
 
 
-def read_spec(path: str) -> lora_lib.LoraSpec:
+def read_spec(path: str) -> LoraSpec:
     """The LoRA spec of a PEFT folder's adapter_config.json (plain LoRA only)."""
     where = os.path.join(path, CONFIG_FILE)
     try:
@@ -162,10 +163,10 @@ def read_spec(path: str) -> lora_lib.LoraSpec:
     rank, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     if cfg.get("use_rslora"):
         alpha = alpha * math.sqrt(rank)  # rsLoRA scales by alpha / sqrt(r)
-    return lora_lib.LoraSpec(rank, alpha, _targets_from_config(cfg, where))
+    return LoraSpec(rank, alpha, _targets_from_config(cfg, where))
 
 
-def load_peft(path: str, arch: Mapping[str, Any]) -> tuple[lora_lib.LoraSpec, dict]:
+def load_peft(path: str, arch: Mapping[str, Any]) -> tuple[LoraSpec, dict]:
     """(spec, our adapter tree of float32 numpy arrays) from a PEFT folder, checked
     against the base architecture `arch`: every tensor present with the shape it needs."""
     from safetensors import safe_open

@@ -7,7 +7,8 @@ internet, and the same file already ships gzipped inside the bpe-openai wheel, s
 TIKTOKEN_ENCODINGS_BASE (harmony then loads that file and checks its SHA-256 itself).
 
 `Tokenizer` is the one object the rest of the project uses:
-  * plain text <-> ids for pre-training (documents separated by `eos_id`);
+  * plain text <-> ids for pre-training (documents separated by `eos_id`), of any length
+    (long_text.py: harmony alone is quadratic in the longest pre-token);
   * chat dicts (+ function tools) -> prompt ids for generation (`render_chat`);
   * chat dicts -> ids + loss mask for fine-tuning (`render_chat_for_training`);
   * generated ids -> messages (`parse_completion`, `stream_parser`).
@@ -20,6 +21,7 @@ Chat messages are plain dicts:
 
 from __future__ import annotations
 
+import base64
 import functools
 import gzip
 import hashlib
@@ -48,7 +50,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from gpt_oss_train.io import storage
+from gpt_oss_train.io import long_text, storage
 
 # --------------------------------------------------------------------------------------
 # Token ids of o200k_harmony. They are fixed by the published encoding; the tests check
@@ -159,6 +161,18 @@ def ensure_vocab(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
 
 
 @functools.cache
+@functools.cache
+def _mergeable_ranks() -> dict[bytes, int]:
+    """o200k_base's ranks (token bytes -> id): harmony's ids of ordinary text."""
+    ranks = {}
+    for line in (ensure_vocab() / VOCAB_FILE).read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@functools.cache
 def get_encoding() -> HarmonyEncoding:
     """The o200k_harmony HarmonyEncoding, loaded once per process without any download."""
     ensure_vocab()
@@ -179,6 +193,77 @@ def _reasoning_effort(effort: str | ReasoningEffort) -> ReasoningEffort:
         ) from None
 
 
+def _check_message(i: int, m: Any) -> None:
+    """Raise ValueError, naming message i and the fix, unless m is a well-formed chat dict."""
+    if not isinstance(m, Mapping):
+        raise ValueError(
+            f"message {i} is a {type(m).__name__}; give a dict with 'role' and 'content'."
+        )
+    unknown = set(m) - _MESSAGE_KEYS
+    if unknown:
+        raise ValueError(
+            f"message {i} has unknown keys {sorted(unknown)}; "
+            f"allowed keys are {sorted(_MESSAGE_KEYS)}."
+        )
+    role = m.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise ValueError(f"message {i} has role {role!r}; use one of {sorted(_ROLES)}.")
+    content = m.get("content")
+    if not isinstance(content, str):
+        raise ValueError(
+            f"message {i} ({role}) has content of type {type(content).__name__}; content "
+            "must be a str (join multi-part content into one string first)."
+        )
+    channel = m.get("channel")
+    if channel is not None and channel not in _CHANNELS:
+        raise ValueError(
+            f"message {i} has channel {channel!r}; use one of {list(_CHANNELS)} or leave it out."
+        )
+    for key in ("recipient", "name", "content_type"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise ValueError(f"message {i} has a non-string {key!r}; give a str or leave it out.")
+    if m.get("name") is not None and role not in ("user", "tool"):
+        # harmony would render "<|start|>assistant:name", a header the model never saw.
+        raise ValueError(
+            f"message {i} ({role}) has 'name'; only user and tool messages carry a name "
+            "(for a tool call, put the tool in the assistant message's 'recipient')."
+        )
+    if role == "system" and i != 0:
+        raise ValueError(f"message {i} is a system message; the system message must come first.")
+    if role == "tool" and not m.get("name"):
+        raise ValueError(
+            f"message {i} is a tool message without 'name'; set it to the tool that "
+            "answered, e.g. 'functions.get_weather'."
+        )
+
+
+def _harmony_message(m: Mapping[str, Any], effort: ReasoningEffort) -> Message:
+    """One checked chat dict as a harmony Message (the mapping `_to_harmony` describes)."""
+    role, content = m["role"], m["content"]
+    channel, recipient, name = m.get("channel"), m.get("recipient"), m.get("name")
+    if role == "system":
+        body = SystemContent.new().with_model_identity(content).with_reasoning_effort(effort)
+        msg = Message.from_role_and_content(Role.SYSTEM, body)
+    elif role == "developer":
+        msg = Message.from_role_and_content(
+            Role.DEVELOPER, DeveloperContent.new().with_instructions(content)
+        )
+    elif role == "tool":
+        msg = Message(author=Author(role=Role.TOOL, name=name), content=[TextContent(text=content)])
+        recipient = recipient or "assistant"
+        channel = channel or "commentary"
+    else:
+        msg = Message(
+            author=Author(role=_ROLES[role], name=name), content=[TextContent(text=content)]
+        )
+        if role == "assistant":
+            channel = channel or "final"
+    msg.channel = channel
+    msg.recipient = recipient
+    msg.content_type = m.get("content_type")
+    return msg
+
+
 def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) -> list[Message]:
     """Validate chat dicts and turn them into harmony Messages, system message first.
 
@@ -196,76 +281,8 @@ def _to_harmony(messages: Sequence[Mapping[str, Any]], effort: ReasoningEffort) 
         raise ValueError("messages must be a list of dicts like {'role': 'user', 'content': 'Hi'}.")
     out: list[Message] = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(
-                f"message {i} is a {type(m).__name__}; give a dict with 'role' and 'content'."
-            )
-        unknown = set(m) - _MESSAGE_KEYS
-        if unknown:
-            raise ValueError(
-                f"message {i} has unknown keys {sorted(unknown)}; "
-                f"allowed keys are {sorted(_MESSAGE_KEYS)}."
-            )
-        role = m.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise ValueError(f"message {i} has role {role!r}; use one of {sorted(_ROLES)}.")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise ValueError(
-                f"message {i} ({role}) has content of type {type(content).__name__}; content "
-                "must be a str (join multi-part content into one string first)."
-            )
-        channel, recipient, name = m.get("channel"), m.get("recipient"), m.get("name")
-        if channel is not None and channel not in _CHANNELS:
-            raise ValueError(
-                f"message {i} has channel {channel!r}; "
-                f"use one of {list(_CHANNELS)} or leave it out."
-            )
-        for key in ("recipient", "name", "content_type"):
-            if m.get(key) is not None and not isinstance(m[key], str):
-                raise ValueError(
-                    f"message {i} has a non-string {key!r}; give a str or leave it out."
-                )
-        if name is not None and role not in ("user", "tool"):
-            # harmony would render "<|start|>assistant:name", a header the model never saw.
-            raise ValueError(
-                f"message {i} ({role}) has 'name'; only user and tool messages carry a name "
-                "(for a tool call, put the tool in the assistant message's 'recipient')."
-            )
-
-        if role == "system":
-            if i != 0:
-                raise ValueError(
-                    f"message {i} is a system message; the system message must come first."
-                )
-            body = SystemContent.new().with_model_identity(content).with_reasoning_effort(effort)
-            msg = Message.from_role_and_content(Role.SYSTEM, body)
-        elif role == "developer":
-            msg = Message.from_role_and_content(
-                Role.DEVELOPER, DeveloperContent.new().with_instructions(content)
-            )
-        elif role == "tool":
-            if not name:
-                raise ValueError(
-                    f"message {i} is a tool message without 'name'; set it to the tool that "
-                    "answered, e.g. 'functions.get_weather'."
-                )
-            msg = Message(
-                author=Author(role=Role.TOOL, name=name), content=[TextContent(text=content)]
-            )
-            recipient = recipient or "assistant"
-            channel = channel or "commentary"
-        else:
-            msg = Message(
-                author=Author(role=_ROLES[role], name=name), content=[TextContent(text=content)]
-            )
-            if role == "assistant":
-                channel = channel or "final"
-        msg.channel = channel
-        msg.recipient = recipient
-        msg.content_type = m.get("content_type")
-        out.append(msg)
-
+        _check_message(i, m)
+        out.append(_harmony_message(m, effort))
     if not out or out[0].author.role != Role.SYSTEM:
         out.insert(
             0,
@@ -408,9 +425,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of ordinary text. Special-token strings such as "<|end|>" inside the text are
         encoded as the plain characters they are, never as control tokens: harmony would
-        otherwise raise on them (its default) or, if allowed, let data inject control tokens."""
+        otherwise raise on them (its default) or, if allowed, let data inject control tokens.
+        Any length: a long pre-token (a run of one letter, say) is merged here rather than
+        by harmony, with the same ids (see "Long texts")."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}.")
+        return long_text.encode_text(text, self._encode_ordinary, _mergeable_ranks)
+
+    def _encode_ordinary(self, text: str) -> list[int]:
         return self.encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -438,6 +460,10 @@ class Tokenizer:
         tool message named "functions.NAME".
         """
         msgs = _drop_past_analysis(_conversation(messages, reasoning_effort, tools))
+        if any(long_text.long_content(m) is not None for m in msgs):
+            options = RenderOptions(conversation_has_function_tools=bool(tools))
+            ids = [t for m in msgs for t in self._render_message(m, options)]
+            return ids + [START_ID, *self.encode(Role.ASSISTANT.value)]
         return self.encoding.render_conversation_for_completion(
             Conversation.from_messages(msgs),
             Role.ASSISTANT,
@@ -485,7 +511,7 @@ class Tokenizer:
         mask: list[int] = []
         prev_continues_turn = False
         for i, m in enumerate(msgs):
-            toks = self.encoding.render(m, options)
+            toks = self._render_message(m, options)
             is_last = i == len(msgs) - 1
             if m.author.role != Role.ASSISTANT:
                 ids += toks
@@ -505,6 +531,21 @@ class Tokenizer:
             mask += m_mask
             prev_continues_turn = toks[-1] == END_ID and not is_final
         return ids, mask
+
+    def _render_message(self, m: Message, options: RenderOptions) -> list[int]:
+        """harmony's render of one message. A content that may hold a long pre-token is
+        rendered as a stand-in, then put back and encoded by `encode`: harmony encodes a
+        message's content text (for system and developer messages, the whole text it
+        builds around the content) in one piece, between <|message|> and the last token."""
+        text = long_text.long_content(m)
+        if text is None:
+            return self.encoding.render(m, options)
+        toks = self.encoding.render(long_text.with_stand_in(m), options)
+        at = toks.index(MESSAGE_ID) + 1
+        # The content comes first in the text harmony builds, before any tool description
+        # that might also hold the stand-in.
+        body = self.encoding.decode(toks[at:-1]).replace(long_text.STAND_IN, text, 1)
+        return toks[:at] + self.encode(body) + toks[-1:]
 
     def parse_completion(self, tokens: Iterable[int]) -> list[dict[str, Any]]:
         """Messages in generated ids (what followed `<|start|>assistant`).

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
-from gpt_oss_train.model import mxfp4_array, parameters, quantize
+from gpt_oss_train.arrays import mxfp4_array
+from gpt_oss_train.model import parameters, quantize
 
 FORMATS = ("param_dtype", "bfloat16", "int8", "mxfp4")
 

@@ -5,8 +5,8 @@ leading [num_blocks] axis like the block parameters. Slot i of a row holds the k
 of position pos[b, i] (-1: empty). A token at position p lives in slot p % slots: full
 layers have a slot per position, banded layers a ring of at least `window` slots, so
 their memory does not grow with context. With an int8 cache, k/v are int8 and
-k_scale/v_scale hold one float32 scale per (slot, head). A bfloat16 cache keeps its
-values as uint16 bit patterns (bit_moves.py), which XLA:CPU scatters in place.
+k_scale/v_scale hold one float32 scale per (slot, head). On a CPU a bfloat16 cache keeps
+its values as uint16 bit patterns (kernels/platforms.py), which XLA:CPU scatters in place.
 
 The cache is created under jit straight into the shardings the logical axis rules give
 `cache_batch`, `cache_length`, `cache_kv_heads` and `cache_head_dim`, like every other
@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
-from gpt_oss_train.model import bit_moves, quantize
+from gpt_oss_train.arrays import bit_moves
+from gpt_oss_train.kernels import platforms
+from gpt_oss_train.model import quantize
 
 # Logical axes of each cache array (after the leading `layers` axis of the stack).
 KV_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "cache_head_dim")
@@ -87,7 +89,7 @@ def _empty(cfg, batch: int, slots: int, dtype, int8: bool) -> KVCache:
             jnp.zeros(scale, jnp.float32),
             jnp.zeros(scale, jnp.float32),
         )
-    store = bit_moves.storage_dtype(dtype)  # bfloat16 as uint16 bits: scattered in place
+    store = platforms.kv_cache_dtype(dtype)
     return KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store), pos)
 
 
@@ -115,8 +117,7 @@ def init(cfg, batch: int, max_len: int, ring: int, dtype, int8: bool = False) ->
 @functools.lru_cache(maxsize=64)
 def _maker(cfg, batch: int, max_len: int, ring: int, dtype, int8: bool, ctx):
     """The jitted function that makes these caches, one per shape and mesh: a new one per
-    request would be traced and compiled again, inside each prefill's time to first token
-    (docs/PERFORMANCE.md, "Tenth session")."""
+    request would be traced and compiled again, inside each prefill's time to first token."""
 
     def make():
         return {

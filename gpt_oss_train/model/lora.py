@@ -1,10 +1,11 @@
 """LoRA: low-rank adapters beside frozen weights, W x + (alpha / r) (x A) B.
 
 Which weights can be adapted, and the shapes, logical axes and PEFT tensors of their
-A/B pairs, are declared in model/parameters.py (`LORA_TARGETS`, `LORA`). This module
-holds what the model and the tools do with them: the spec a model is built with, the
-low-rank product the layers add, and the split of a parameter tree into the frozen base
-and the adapters (the only leaves training differentiates).
+A/B pairs, are declared in model/parameters.py (`LORA_TARGETS`, `LORA`); the spec a
+model is built with is config.LoraSpec. This module holds what the model and the tools
+do with them: the adapters' declarations, the low-rank product the layers add, and the
+split of a parameter tree into the frozen base and the adapters (the only leaves
+training differentiates).
 
 Adapters live in the same nested tree as the weights they adapt, at
 `blocks/<kind>/attn/lora_q_a` and so on, so one `ModelDef.bind` takes base and adapters
@@ -14,65 +15,19 @@ them on an axis after the layers' and each batch row names the one it uses.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt_oss_train.errors import ConfigError
+from gpt_oss_train import config
+from gpt_oss_train.config import LoraSpec
 from gpt_oss_train.model import parameters
 
-TARGETS = tuple(parameters.LORA_TARGETS)
-DEFAULT_TARGETS = "q,k,v,o,gate_up,down"
+TARGETS = config.LORA_TARGETS
 PREFIX = "lora_"  # every adapter leaf's name starts with it
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraSpec:
-    """What adapters a model carries. Hashable: part of the (static) ModelConfig."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    adapters: int = 0  # 0: one adapter; n > 0: n stacked, chosen per batch row
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def stacked(self, n: int) -> "LoraSpec":
-        """n adapters padded to this rank with their scales folded into B (scale 1)."""
-        return dataclasses.replace(self, alpha=float(self.rank), adapters=n)
-
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "LoraSpec":
-        return cls(int(d["rank"]), float(d["alpha"]), parse_targets(d["targets"]))
-
-
-def parse_targets(targets, field: str = "config.lora.targets") -> tuple[str, ...]:
-    """ "q,v,gate_up" (or a sequence) -> ("q", "v", "gate_up") in declaration order."""
-    names = targets.split(",") if isinstance(targets, str) else list(targets)
-    names = [n.strip() for n in names if n.strip()]
-    unknown = [n for n in names if n not in TARGETS]
-    if unknown:
-        raise ConfigError(f"{field}: unknown LoRA target {unknown[0]!r}; choose from {TARGETS}")
-    if not names:
-        raise ConfigError(f"{field}: no LoRA target given; choose from {TARGETS}")
-    return tuple(t for t in TARGETS if t in names)
-
-
-def spec_from_config(lora_config) -> LoraSpec | None:
-    """The spec `config.lora` asks for; None when LoRA is off (rank 0)."""
-    if not lora_config.rank:
-        return None
-    return LoraSpec(
-        int(lora_config.rank), float(lora_config.alpha), parse_targets(lora_config.targets)
-    )
+assert tuple(parameters.LORA_TARGETS) == TARGETS, "parameters.LORA_TARGETS vs config's names"
 
 
 def module_decls(spec: LoraSpec | None, prefix: str) -> dict[str, parameters.Param]:

@@ -16,8 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gpt_oss_train.arrays.lazy_weight import LazyWeight
 from gpt_oss_train.model import parameters
-from gpt_oss_train.model.lazy_weight import LazyWeight
 
 
 @jax.tree_util.register_dataclass

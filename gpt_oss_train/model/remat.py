@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import jax
 
+from gpt_oss_train import config
+
 _policies = jax.checkpoint_policies
 
 # The name (jax.ad_checkpoint.checkpoint_name) of the expert matmuls' outputs, which
@@ -26,6 +28,9 @@ POLICIES = {
     # keep the expert matmuls' outputs, recompute the rest (attention, routing, GLU, norms)
     "save_moe": _checkpointed(_policies.save_only_these_names(EXPERT_PRODUCTS)),
 }
+
+
+assert tuple(POLICIES) == config.REMAT_POLICIES, "remat policies vs config's names"
 
 
 def wrap(body, policy: str, *, scanned: bool):

@@ -6,12 +6,16 @@ Each layer is pre-norm: x += attn(norm(x)); x += moe(norm(x)). Even layers (0, 2
 attend to the last `sliding_window` keys including the current one, odd layers to all
 earlier keys. The two layers of a pair form a `Block`; blocks are stacked on a leading
 `layers` axis and run under `jax.lax.scan` (or a Python loop: same parameters, same
-numbers), each block under `jax.checkpoint` with the configured remat policy. In CPU
-inference the expert matrices and attention projections stay out of the scan and each
-block reads what it uses from the stacks (streamed_weights.py).
+numbers), each block under `jax.checkpoint` with the configured remat policy. Where the
+platform streams weights (CPU inference) the expert matrices and attention projections
+stay out of the scan and each block reads what it uses from the stacks
+(streamed_weights.py).
 
 Every parameter carries logical axis names (`out_sharding` metadata) and activations are
 constrained by logical names through `sharding.constrain`; no mesh axis is named here.
+Attention, the projections and the experts' products are the kernel registry's
+operations (`cfg.kernels`, gpt_oss_train/kernels/): which implementation runs is never
+decided here.
 """
 
 from __future__ import annotations
@@ -26,12 +30,9 @@ from flax import nnx
 
 from gpt_oss_train import sharding
 from gpt_oss_train.config import ModelConfig
-from gpt_oss_train.model import attention as attn_lib
+from gpt_oss_train.kernels.xla import attention as xla_attention
 from gpt_oss_train.model import embedding, kv_cache, lora, parameters, remat, streamed_weights
 from gpt_oss_train.model import moe as moe_lib
-from gpt_oss_train.model.cpu_kernels import decode_attention as cpu_decode_attention
-from gpt_oss_train.model.cpu_kernels import grouped_matmul as cpu_grouped_matmul
-from gpt_oss_train.model.cpu_kernels import rows_matmul as cpu_rows_matmul
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -115,27 +116,6 @@ def apply_rope(x_bsnh, cos, sin):
 # ----------------------------------------------------------------------------- layers
 
 
-def dense(spec: str, x, kernel, dt):
-    """einsum(spec, x, kernel) in `dt` with float32 results, where x's dimensions after
-    [b, s] contract with the kernel's leading ones. The kernel may be a streamed layer
-    view (streamed_weights.py). A decode step's few rows take the CPU kernel, which reads
-    a view's layer in place; with bfloat16 compute on a CPU with AVX512-BF16, other rows
-    take the grouped matmul kernel as one group (its backward products beat XLA:CPU's
-    transposed dots, docs/PERFORMANCE.md); everything else XLA's dot."""
-    b, s = x.shape[:2]
-    if cpu_rows_matmul.applies(b * s, kernel, dt):
-        y = cpu_rows_matmul.rows_matmul(x.reshape(b * s, -1), kernel)
-        return y.reshape(b, s, *kernel.shape[x.ndim - 2 :])
-    if isinstance(kernel, jax.Array) and sharding.platform() == "cpu":
-        depth = math.prod(kernel.shape[: x.ndim - 2])
-        rows, matrix = x.reshape(b * s, depth).astype(dt), kernel.reshape(1, depth, -1)
-        if cpu_grouped_matmul.applies(rows, matrix):
-            y = cpu_grouped_matmul.grouped_matmul(rows, matrix, jnp.full((1,), b * s, jnp.int32))
-            return y.reshape(b, s, *kernel.shape[x.ndim - 2 :])
-    kernel = streamed_weights.whole(kernel)
-    return jnp.einsum(spec, x.astype(dt), kernel.astype(dt), preferred_element_type=jnp.float32)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, cfg: ModelConfig, name: str, *, rngs: nnx.Rngs):
         self.eps = cfg.rms_norm_eps
@@ -173,10 +153,10 @@ class Attention(nnx.Module):
         adapter_ids=None,
     ):
         cfg = self.cfg
-        dt = DTYPES[cfg.dtype]
+        dt, kernels = DTYPES[cfg.dtype], cfg.kernels
 
         def proj(kernel, bias, target):
-            y = dense("bsd,dnh->bsnh", x_bsd, kernel[...], dt)
+            y = kernels.matmul("bsd,dnh->bsnh", x_bsd, kernel[...], dtype=dt)
             y = y + self.adapted(target, x_bsd, adapter_ids)
             return (y + bias[...].astype(jnp.float32)).astype(dt)
 
@@ -187,55 +167,40 @@ class Attention(nnx.Module):
         k = sharding.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = sharding.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
 
-        common = dict(window=window, impl=cfg.attention_impl, block=cfg.attention_block)
         sinks = self.sinks[...]
         if cache is None:
-            out = attn_lib.attention(
-                q,
-                k,
-                v,
-                sinks,
-                q_pos=positions,
-                k_pos=positions,
-                q_seg=segment_ids,
-                k_seg=segment_ids,
-                self_attention=True,
-                **common,
-            )
+            out = kernels.attention(q, k, v, sinks, positions=positions,
+                                    segment_ids=segment_ids, window=window,
+                                    block=cfg.attention_block)  # fmt: skip
             new_cache = None
-        elif window is None or (
-            # A banded layer's ring may be written first too when the chunk cannot overwrite
-            # a key that one of its queries still needs; only the CPU kernel asks for that.
-            q.shape[1] <= cache.pos.shape[2] - window + 1 and cpu_decode_attention.applies(q, cache)
-        ):
-            # Write first, then attend over every cached slot of the layer.
+        elif window is None or q.shape[1] <= cache.pos.shape[2] - window + 1:
+            # Write first, then attend over every cached slot of the layer. A banded
+            # layer's ring may be written first too when the chunk cannot overwrite a key
+            # that one of its queries still needs (chunk <= ring - window + 1).
             new_cache = kv_cache.write(cache, layer, k, v, positions)
-            if cpu_decode_attention.applies(q, new_cache):  # reads the stack in place
-                out = cpu_decode_attention.decode_attention(
-                    q, new_cache, layer, sinks, positions, window
-                )
-            else:
-                mine = kv_cache.layer_of(new_cache, layer)
-                keys, vals = mine.keys_values(dt)
-                out = attn_lib.attention(
-                    q, keys, vals, sinks, q_pos=positions, k_pos=mine.pos, **common
-                )
+            out = kernels.cache_attention(q, new_cache, layer, sinks, positions=positions,
+                                          window=window)  # fmt: skip
         else:
-            # Banded layer (ring cache): attend over the ring as it was plus the new chunk, so a
-            # chunk longer than the gap to its oldest needed key still sees every key; then
-            # write the chunk (the ring has at least as many slots as the longest chunk).
-            ring = kv_cache.layer_of(cache, layer)
-            ring_k, ring_v = ring.keys_values(dt)
-            keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
-            vals = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
-            kpos = jnp.concatenate([ring.pos, positions.astype(jnp.int32)], axis=1)
-            out = attn_lib.attention(q, keys, vals, sinks, q_pos=positions, k_pos=kpos, **common)
-            new_cache = kv_cache.write(cache, layer, k, v, positions)
+            out, new_cache = _long_chunk_over_ring(q, k, v, sinks, cache, layer, positions, window)
 
-        y = dense("bsnh,nhd->bsd", out.astype(dt), self.o_kernel[...], dt)
+        y = kernels.matmul("bsnh,nhd->bsd", out.astype(dt), self.o_kernel[...], dtype=dt)
         y = y + self.adapted("o", out.astype(dt), adapter_ids)
         y = y + self.o_bias[...].astype(jnp.float32)
         return y.astype(dt), new_cache
+
+
+def _long_chunk_over_ring(q, k, v, sinks, cache, layer, positions, window):
+    """A banded layer's chunk longer than the gap to its oldest needed key: attend over the
+    ring as it was plus the new chunk, so every query still sees every key, then write the
+    chunk (the ring has at least as many slots as the longest chunk)."""
+    ring = kv_cache.layer_of(cache, layer)
+    ring_k, ring_v = ring.keys_values(q.dtype)
+    keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
+    vals = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
+    kpos = jnp.concatenate([ring.pos, positions.astype(jnp.int32)], axis=1)
+    mask = xla_attention.visibility_mask(positions, kpos, window=window)
+    out = xla_attention.xla_attention(q, keys, vals, sinks, mask)
+    return out, kv_cache.write(cache, layer, k, v, positions)
 
 
 class MoE(nnx.Module):
@@ -299,6 +264,7 @@ class MoE(nnx.Module):
             limit=cfg.swiglu_limit,
             alpha=cfg.swiglu_alpha,
             dtype=DTYPES[cfg.dtype],
+            kernels=cfg.kernels,
         )
         return y.reshape(b, s, d).astype(DTYPES[cfg.dtype]), aux
 
@@ -399,11 +365,11 @@ class Transformer(nnx.Module):
 
         graphdef, block_params = nnx.split(self.blocks)
         stacks = training_stacks = None
-        if streamed_weights.applies(cache, cfg.num_blocks):
+        if streamed_weights.streams(cache, cfg.num_blocks):
             block_params, stacks = streamed_weights.take(block_params, cfg.num_blocks)
         elif cache is None:
             training_stacks = streamed_weights.training_stacks(
-                block_params, lambda stack: cpu_grouped_matmul.reads_in_training(dt, stack)
+                block_params, lambda stack: cfg.kernels.reads_in_place(dt, stack)
             )
 
         # The stacked cache rides in the loop's carry: each block writes its new keys into
@@ -436,7 +402,8 @@ class Transformer(nnx.Module):
     def logits(self, hidden_bsd):
         """Float32 logits for (a slice of) hidden states; training uses loss.py instead, which
         never holds [tokens, vocab] logits for the whole batch."""
-        return dense("bsd,dv->bsv", hidden_bsd, self.unembed["kernel"][...], DTYPES[self.cfg.dtype])
+        w = self.unembed["kernel"][...]
+        return self.cfg.kernels.matmul("bsd,dv->bsv", hidden_bsd, w, dtype=DTYPES[self.cfg.dtype])
 
 
 # ----------------------------------------------------------------------------- functional

@@ -32,9 +32,9 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from gpt_oss_train import architecture
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import storage
-from gpt_oss_train.model import architecture
 from gpt_oss_train.training import integrity
 
 MODEL_CONFIG = "model_config"
@@ -468,7 +468,7 @@ class TrainCheckpointer:
                 f"{step_dir} was written by {max(counts)} processes and this run has {n}: "
                 "this data source is read per process, so its position cannot move to another "
                 "process count. Resume with the same count, or pre-tokenize the corpus "
-                "(tools/pretokenize.py), whose order is the same on any count"
+                "(python -m gpt_oss_train.tools.pretokenize), whose order is the same on any count"
             )
         return storage.join(folder, f"process_{i}-of-{n}.json")
 

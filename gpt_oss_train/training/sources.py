@@ -404,7 +404,7 @@ def _read_meta(path: str) -> dict:
         raise DataError(f"{path}: unreadable ({e}); pre-tokenize the corpus again") from None
     if meta.get("format") != META_FORMAT or meta.get("dtype") != "int32":
         raise DataError(
-            f"{path}: not written by this version of tools/pretokenize.py "
+            f"{path}: not written by this version of gpt_oss_train.tools.pretokenize "
             f"(format {meta.get('format')!r}, dtype {meta.get('dtype')!r})"
         )
     if meta.get("tokenizer") != TOKENIZER_NAME:
@@ -477,7 +477,7 @@ def make_source(spec: str, *, split: str = "train"):
     elif storage.is_remote(spec.removeprefix("chat:")):
         if spec.startswith("chat:") or not storage.exists(storage.join(spec, META_FILE)):
             raise DataError(
-                f"{spec}: from cloud storage only folders written by tools/pretokenize.py "
+                f"{spec}: from cloud storage only folders written by gpt_oss_train.tools.pretokenize "
                 f"(with {META_FILE}) are read; pre-tokenize the corpus, or copy it to local disk"
             )
         source = _pretokenized_dir(storage.normalize(spec))

@@ -104,9 +104,11 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
     `arch` (default: config.model) on `devices` (default: all)."""
     config_lib.validate(config)
     t = config.train
-    model_def = ModelDef(config_lib.ModelConfig.from_config(config, arch))
     rules = sharding.validate_rules(config.logical_axis_rules)
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices)
+    platform = sharding.platform(mesh)
+    model_def = ModelDef(config_lib.ModelConfig.from_config(config, arch, platform))
+    model_def.cfg.kernels.describe(platform)  # a kernel of another platform: a config error
     check_batch(t.global_batch_size, t.grad_accum_steps, mesh, rules)
     tx, schedule = steps.make_optimizer(t)
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gpt_oss_train.kernels.xla.optimizer import ConfiguredOptimizer
 from gpt_oss_train.model import lora, parameters
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
-from gpt_oss_train.training import fused_adamw
 from gpt_oss_train.training import loss as loss_lib
 
 
@@ -21,12 +21,9 @@ def _decays(key_path, _) -> bool:
     return parameters.lookup(parameters.path_of(key_path))[0].decay
 
 
-class ConfiguredOptimizer(optax.GradientTransformation):
-    """The chain `make_optimizer(t)` returns, so marked: a train step made with it and the
-    same `t` may run `fused_adamw` in its place, which takes the hyperparameters from `t`."""
-
-
 def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (clipped by the global norm) on the schedule below, marked as the chain made
+    from `t`, so the `optimizer_update` kernels may fuse it (kernels/xla/optimizer.py)."""
     # Linear warmup then cosine decay, shifted by one so the first update (count 0) already
     # uses lr/warmup_steps rather than 0, and the last (count steps-1) the end value.
     base = optax.warmup_cosine_decay_schedule(
@@ -84,6 +81,7 @@ def make_loss_fn(model_def: ModelDef, t):
             batch["loss_mask"],
             chunk=t.loss_chunk_size,
             dtype=dtype,
+            kernels=model_def.cfg.kernels,
         )
         # The aux and z terms are scaled by the token count so that, like the NLL, they are
         # per-token means once the summed objective is divided by the total count.
@@ -104,8 +102,8 @@ def update_if_finite(finite, update, old):
 
 def make_train_step(model_def: ModelDef, tx, schedule, t):
     """(state, batch) -> (state, metrics). metrics["skipped"] is 1.0 when the loss or the
-    gradient norm was not finite and the update was skipped (update_if_finite). With
-    `make_optimizer(t)`'s chain on one CPU device, the update is `fused_adamw`'s."""
+    gradient norm was not finite and the update was skipped (update_if_finite). The
+    update is the kernel registry's `optimizer_update` operation."""
     loss_fn = make_loss_fn(model_def, t)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -131,18 +129,10 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
         grad_norm = optax.tree.norm(grads) / n
 
         def update():
-            if isinstance(tx, ConfiguredOptimizer) and fused_adamw.applies(
-                params, state["opt_state"]
-            ):
-                decays = jax.tree_util.tree_map_with_path(_decays, params)
-                return fused_adamw.update(
-                    t, schedule, decays, grads, n, grad_norm, params, state["opt_state"]
-                )
-            # Per-token means, divided inside the branch as the update fused them before
-            # it was a branch: its rounding, and so a run's losses, stay bit for bit.
-            mean = jax.tree.map(lambda g: g / n, grads)
-            updates, opt_state = tx.update(mean, state["opt_state"], params)
-            return optax.apply_updates(params, updates), opt_state
+            decays = jax.tree_util.tree_map_with_path(_decays, params)
+            return model_def.cfg.kernels.optimizer_update(
+                tx, t, schedule, decays, grads, n, grad_norm, params, state["opt_state"]
+            )
 
         metrics = {
             "loss": stats["nll"] / n,

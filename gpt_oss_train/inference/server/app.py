@@ -8,10 +8,14 @@
     GET  /metrics               Prometheus text (metrics.py)
 
 `create_app(engine, ...)` takes a started engine; `serve.py` makes one from flags and runs
-the app under uvicorn.
+the app under uvicorn. With `api_key`, every /v1/* request must send
+`Authorization: Bearer <api_key>` or gets 401 (OpenAI's error, code "invalid_api_key");
+/health and /metrics stay open, for load balancers and Prometheus.
 """
 
 from __future__ import annotations
+
+import hmac
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -33,7 +37,33 @@ def _count_requests(app: FastAPI, metrics: Metrics) -> None:
         return response
 
 
-def create_app(engine, *, tokenizer, model_name: str, max_context: int, vocab_size: int) -> FastAPI:
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """401 for a /v1/* request without `Authorization: Bearer <api_key>`. The header is
+    compared in constant time, so the answer's timing does not tell how much of a guess
+    was right."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        path = request.url.path
+        if path == "/v1" or path.startswith("/v1/"):
+            sent = request.headers.get("authorization")
+            # Starlette decodes headers as latin-1: encoding back gives the bytes sent.
+            if sent is None or not hmac.compare_digest(sent.encode("latin-1"), expected):
+                return errors.unauthorized(missing=sent is None).response()
+        return await call_next(request)
+
+
+def create_app(
+    engine,
+    *,
+    tokenizer,
+    model_name: str,
+    max_context: int,
+    vocab_size: int,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The app over a started engine; `api_key` (None or "": none) guards /v1/*."""
     metrics = Metrics(engine.stats)
     state = ServerState(
         engine, tokenizer, model_name, max_context, vocab_size, metrics, adapters=engine.adapters
@@ -42,7 +72,9 @@ def create_app(engine, *, tokenizer, model_name: str, max_context: int, vocab_si
     app.state.server = state
     app.state.shutting_down = False
     errors.install(app)
-    _count_requests(app, metrics)
+    if api_key:
+        _require_api_key(app, api_key)
+    _count_requests(app, metrics)  # added last, so it runs first: 401s are counted too
     chat_routes.register(app, state)
     completion_routes.register(app, state)
 

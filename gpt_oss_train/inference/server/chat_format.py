@@ -70,6 +70,19 @@ def harmony_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def prompt_texts(req: ChatCompletionRequest) -> list[str]:
+    """Text the rendered prompt holds verbatim: every message's content and tool-call
+    arguments (not reasoning, which earlier turns drop), and each offered tool's name and
+    description lines (harmony writes each line as a "// " comment)."""
+    texts = [m.text() for m in req.messages]
+    texts += [c.function.arguments for m in req.messages for c in m.tool_calls or []]
+    if req.tools and req.tool_choice != "none":
+        for t in req.tools:
+            lines = (t.function.description or "").replace("\r\n", "\n").split("\n")
+            texts += [t.function.name, *lines]
+    return texts
+
+
 def prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
     """The rendered prompt, ending with `<|start|>assistant`."""
     tools = None

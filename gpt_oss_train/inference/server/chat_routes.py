@@ -158,6 +158,8 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         start = time.perf_counter()
         adapter = generation.check_model(state, req.model)
+        texts = chat_format.prompt_texts(req)
+        generation.check_text_length(state, texts, req.token_limit(), "max_tokens", "messages")
         prompt = chat_format.prompt_ids(req, state.tokenizer)
         handles = generation.submit(state, prompt, _params(state, req, len(prompt), adapter))
         rid = generation.request_id("chatcmpl")

@@ -19,8 +19,10 @@ from gpt_oss_train.inference.server.schemas import CompletionRequest
 from gpt_oss_train.inference.server.text import Detokenizer, StopMatcher, decode, token_text
 
 
-def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
+def _prompt_ids(state: ServerState, prompt, i: int, max_tokens: int) -> list[int]:
     if isinstance(prompt, str):
+        # max_tokens=0 (echo only) needs room for the prompt alone
+        generation.check_text_length(state, [prompt], max_tokens, "max_tokens", "prompt")
         ids = state.tokenizer.encode(prompt)
         if not ids:
             raise bad_request(f"prompt {i} is empty.", "prompt")
@@ -203,7 +205,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def completions(req: CompletionRequest, request: Request):
         start = time.perf_counter()
         adapter = generation.check_model(state, req.model)
-        prompts = [_prompt_ids(state, p, i) for i, p in enumerate(req.prompts())]
+        prompts = [_prompt_ids(state, p, i, req.max_tokens) for i, p in enumerate(req.prompts())]
         params = _params(state, req, prompts, adapter) if req.max_tokens else []
         scores = await _prompt_scores(state, req, prompts, adapter)
         choices = [_Choice(req, p) for p in prompts for _ in range(req.n)]

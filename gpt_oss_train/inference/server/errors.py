@@ -3,9 +3,12 @@
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
 400 for a request that can never run as written (malformed JSON, unknown or invalid
-fields, a prompt longer than the context), 404 for an unknown model, 429 / 503 with a
-`Retry-After` header when the engine's queue is full or it is shutting down. Anything
-unexpected becomes a 500 for that request alone: the server keeps serving the rest.
+fields, a prompt longer than the context), 401 without the server's API key, 404 for an
+unknown model, 429 / 503 with a `Retry-After` header when the engine's queue is full or it
+is shutting down. Anything unexpected becomes a 500 for that request alone: the server
+keeps serving the rest. Errors FastAPI and Starlette raise themselves (a body too deeply
+nested to parse, an unknown path, a wrong method) get the same shape, never their
+`{"detail": ...}`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from absl import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # as OpenAI's, with code "invalid_api_key"
     404: "not_found_error",
     429: "rate_limit_exceeded",
     500: "internal_server_error",
@@ -38,10 +43,12 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {
@@ -54,7 +61,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
@@ -62,6 +69,18 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def unauthorized(missing: bool) -> APIError:
+    """401 as OpenAI words it; the key sent, if any, is not echoed."""
+    if missing:
+        message = (
+            "You didn't provide an API key. Send it in the Authorization header as "
+            "'Authorization: Bearer YOUR_KEY'."
+        )
+    else:
+        message = "Incorrect API key provided. Send 'Authorization: Bearer YOUR_KEY'."
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def from_rejection(e: Exception) -> APIError:
@@ -87,6 +106,14 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
+def _from_http_exception(e: HTTPException) -> APIError:
+    """FastAPI's own refusals (its body parser's 400, 404 for a path, 405 for a method)."""
+    if isinstance(e.__cause__, RecursionError):  # json.loads on a body nested too deeply
+        return bad_request("The body is nested too deeply to parse as JSON.")
+    detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
+    return APIError(e.status_code, detail, headers=e.headers)
+
+
 def install(app: FastAPI) -> None:
     """Route every error through the OpenAI error shape."""
 
@@ -102,6 +129,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(json.JSONDecodeError)
     async def _bad_json(_: Request, e: json.JSONDecodeError):
         return bad_request(f"The body is not valid JSON: {e.msg}.").response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException):
+        return _from_http_exception(e).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):

@@ -84,6 +84,30 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, para
     return room if max_tokens is None else max_tokens
 
 
+# The longest o200k token is 128 bytes (128 spaces), so text of B UTF-8 bytes is at least
+# ceil(B / 128) tokens: a bound known before tokenizing that never refuses a prompt that fits.
+LONGEST_TOKEN_BYTES = 128
+
+
+def check_text_length(
+    state: ServerState, texts: list[str], max_tokens: int | None, param: str, prompt_param: str
+) -> None:
+    """Refuse, before tokenizing, prompt text too long for the context to hold it and
+    max_tokens (None: one) more tokens, so a huge prompt costs a length check only."""
+    n_bytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    least = -(-n_bytes // LONGEST_TOKEN_BYTES)
+    wanted = 1 if max_tokens is None else max_tokens
+    if least + wanted > state.max_context:
+        raise APIError(
+            400,
+            f"This model's context holds {state.max_context} tokens; the prompt's "
+            f"{n_bytes} bytes of text are at least {least} tokens and {wanted} more were "
+            f"asked for. Shorten the prompt or lower {param}.",
+            param=param if least < state.max_context else prompt_param,
+            code="context_length_exceeded",
+        )
+
+
 def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     """Choice i samples with seed + i, so n choices differ yet each is reproducible."""
     return [None if seed is None else (seed + i) % 2**32 for i in range(n)]

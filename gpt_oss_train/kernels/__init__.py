@@ -1,0 +1,139 @@
+"""Kernels: the operations the model, the loss and the optimizer compute, called by name.
+
+Model code holds a `Kernels` (ModelConfig.kernels, made from `config.kernels`) and calls
+its operations: `kernels.attention(...)`, `kernels.grouped_matmul(...)`. Which
+implementation runs is decided here, never by the caller: from the platform of the mesh
+the program is traced for (`sharding.platform()`, so an ahead-of-time compile for a TPU
+on a CPU host picks TPU kernels) and the config's choice per operation, "auto" by default.
+registry.py holds the table and the rules; xla/ the references; cpu/, gpu/, tpu/ the
+platform kernels; platforms.py the platforms' layout facts (what is not a kernel).
+
+    python -m gpt_oss_train.train ... --config.kernels.grouped_matmul=xla   # one op
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from absl import logging
+
+from gpt_oss_train import sharding
+from gpt_oss_train.kernels import registry
+from gpt_oss_train.kernels.registry import AUTO, OPS, REFERENCE
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The config's choice per operation ("auto" where not named). Hashable: a static
+    part of ModelConfig, so a jitted function traced with one choice is never reused
+    for another."""
+
+    choices: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        for op, name in self.choices:
+            registry.validate_choice(op, name)
+
+    @classmethod
+    def of(cls, **choices: str) -> "Kernels":
+        """Kernels(attention="xla", ...); unnamed operations stay "auto"."""
+        return cls(tuple(sorted((op, name) for op, name in choices.items() if name != AUTO)))
+
+    @classmethod
+    def from_config(cls, section) -> "Kernels":
+        """From `config.kernels` (a ConfigDict of op -> name)."""
+        return cls.of(**dict(section))
+
+    @classmethod
+    def everywhere(cls, name: str) -> "Kernels":
+        """The same choice for every operation ("xla": the references only)."""
+        return cls.of(**{op: name for op in OPS})
+
+    def choice(self, op: str) -> str:
+        return dict(self.choices).get(op, AUTO)
+
+    def impl(self, op: str, platform: str | None = None) -> registry.Impl:
+        """The implementation that runs `op` on `platform` (default: the one being traced
+        for); a kernel this machine cannot build leaves the reference, logged once."""
+        impl, why = registry.resolve(op, self.choice(op), platform or sharding.platform())
+        if why:
+            _log_once(f"kernels: {op} takes {REFERENCE} ({why})")
+        return impl
+
+    def _run(self, op: str, *args, **kwargs):
+        impl = self.impl(op)
+        if impl is not OPS[op].reference and impl.takes(*args, **kwargs):
+            return impl.call(*args, **kwargs)
+        return OPS[op].reference.call(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the operations
+
+    def attention(self, q, k, v, sinks, *, positions, segment_ids, window, block=512):
+        """Self-attention over whole sequences (training, prefill): q [b, s, n, h], k/v
+        [b, s, kh, h], sinks [n], positions and segment ids [b, s] (0: padding); `window`
+        None for full causal layers; `block`: the blockwise variant's query block."""
+        return self._run("attention", q, k, v, sinks, positions=positions,
+                         segment_ids=segment_ids, window=window, block=block)  # fmt: skip
+
+    def cache_attention(self, q, cache, layer, sinks, *, positions, window):
+        """q [b, s, n, h] at `positions` over layer `layer` of the stacked KV cache, whose
+        keys for these positions are already written."""
+        return self._run("cache_attention", q, cache, layer, sinks, positions=positions,
+                         window=window)  # fmt: skip
+
+    def grouped_matmul(self, x, w, group_sizes):
+        """x [M, K] times w[g] [K, N] for each group g's contiguous rows -> float32 [M, N]."""
+        return self._run("grouped_matmul", x, w, group_sizes)
+
+    def gated_activation(self, gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
+        """The experts' clamped SwiGLU of float32 gate/up [R, F] plus each row's expert's
+        biases -> the activation in `dtype`."""
+        return self._run("gated_activation", gate, up, bias_gate, bias_up, experts,
+                         limit=limit, alpha=alpha, dtype=dtype)  # fmt: skip
+
+    def moe_decode(self, x, weights, idx, w, *, limit, alpha, dtype):
+        """A decode-sized batch through its chosen experts only, float32 [T, D]; None when
+        the batch is too large for every implementation (then grouped matmuls run)."""
+        op, kw = OPS["moe_decode"], dict(limit=limit, alpha=alpha, dtype=dtype)
+        for impl in (self.impl("moe_decode"), op.reference):
+            if impl.takes(x, weights, idx, w, **kw):
+                return impl.call(x, weights, idx, w, **kw)
+        return None
+
+    def matmul(self, spec, x, w, *, dtype):
+        """einsum(spec, x, w) in `dtype`, float32 results: x's dimensions after [b, s]
+        contract with w's leading ones (w may be a layer view)."""
+        return self._run("matmul", spec, x, w, dtype=dtype)
+
+    def cross_entropy(self, h, w, targets):
+        """A loss chunk: (log p(target), log-sum-exp) [b, c] of h [b, c, d] @ w [d, v]."""
+        return self._run("cross_entropy", h, w, targets)
+
+    def optimizer_update(self, tx, t, schedule, decays, grads, n, grad_norm, params, opt_state):
+        """(params, opt_state) after one step (kernels/xla/optimizer.py)."""
+        return self._run("optimizer_update", tx, t, schedule, decays, grads, n, grad_norm,
+                         params, opt_state)  # fmt: skip
+
+    def reads_in_place(self, dtype, stack) -> bool:
+        """Whether the grouped matmul that runs reads layers of this weight stack in place
+        (the model then hands it layer views, arrays/layer_views.py)."""
+        impl = self.impl("grouped_matmul")
+        return impl.reads_in_place is not None and registry._load(impl.reads_in_place)(dtype, stack)
+
+    def describe(self, platform: str) -> str:
+        """The start-up line: `kernels: attention=cpu grouped_matmul=cpu ...`, with why a
+        chosen kernel is not the one that runs."""
+        parts = []
+        for op in OPS:
+            impl, why = registry.resolve(op, self.choice(op), platform)
+            parts.append(f"{op}={impl.name}" + (f" ({why})" if why else ""))
+        return f"kernels on {platform}: " + " ".join(parts)
+
+
+AUTO_KERNELS = Kernels()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logging.info(message)

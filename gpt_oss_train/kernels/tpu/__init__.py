@@ -1,0 +1,5 @@
+"""TPU implementations, registered for the `tpu` platform.
+
+splash_attention   JAX's Pallas splash attention, which takes the sinks itself
+ragged_dot         `jax.lax.ragged_dot`, which TPUs lower natively, for the MoE
+"""

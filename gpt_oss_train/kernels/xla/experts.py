@@ -1,0 +1,162 @@
+"""The experts' operands and the XLA references of the expert ops.
+
+Each chosen expert e computes, with gate/up de-interleaved from the reference's fused
+gate_up projection:
+
+    gate = min(x @ Wg_e + bg_e, limit);  up = clip(x @ Wu_e + bu_e, -limit, limit)
+    y_e  = (gate * sigmoid(alpha * gate) * (up + 1)) @ Wo_e + bo_e
+
+  gated_activation   the `gated_activation` op: the middle line, biases gathered per row
+  moe_decode         the `moe_decode` op for decode-sized batches, which reads only the
+                     chosen experts' weights: `pairwise` on streamed weights (CPU
+                     inference), `gathered` on accelerators; larger batches are declined
+                     (model/moe.py then sorts them into grouped matmuls)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gpt_oss_train import sharding
+from gpt_oss_train.arrays.layer_views import LayerView
+
+
+class ExpertLoRA(NamedTuple):
+    """Low-rank pairs added to each expert's matmuls (model/lora.py): gate += (x A_in)
+    B_gate, up += (x A_in) B_up, out += (act A_out) B_out, their scale folded into the Bs.
+    A pair may be None (target not adapted). With `rows` (stacked adapters), every array
+    has a leading adapter axis and token t uses adapter rows[t]."""
+
+    a_in: jax.Array | None = None  # [(n,) E, D, r]
+    b_gate: jax.Array | None = None  # [(n,) E, r, F]
+    b_up: jax.Array | None = None  # [(n,) E, r, F]
+    a_out: jax.Array | None = None  # [(n,) E, F, r]
+    b_out: jax.Array | None = None  # [(n,) E, r, D]
+    rows: jax.Array | None = None  # [T] int32: each token's adapter
+
+
+class ExpertWeights(NamedTuple):
+    wi_gate: jax.Array  # [E, D, F]
+    bi_gate: jax.Array  # [E, F]
+    wi_up: jax.Array  # [E, D, F]
+    bi_up: jax.Array  # [E, F]
+    wo: jax.Array  # [E, F, D]
+    bo: jax.Array  # [E, D]
+    lora: ExpertLoRA | None = None
+
+
+def glu(gate, up, limit: float, alpha: float):
+    """The clamped SwiGLU of biased gate and up products (float32 in, float32 out)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + 1.0)
+
+
+def gated_activation(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
+    """float32 gate, up [R, F] of rows whose experts are `experts` [R], biases [E, F] ->
+    the activation [R, F] in `dtype`."""
+    f32 = jnp.float32
+    act = glu(
+        gate + bias_gate.astype(f32)[experts], up + bias_up.astype(f32)[experts], limit, alpha
+    )
+    return act.astype(dtype)
+
+
+# ----------------------------------------------------------------------------- decode batches
+
+# Up to this many (token, choice) pairs, streamed weights (CPU inference) take the pairs
+# one at a time (`pairwise`); from about 64 pairs the tiled grouped matmul, which reads
+# each chosen expert once, is as fast (python -m gpt_oss_train.tools.moe_benchmark
+# --mode=decode).
+PAIRWISE_MAX_PAIRS = 32
+
+# On GPU, XLA rewrites a matrix-vector product into a column reduction, which reads the
+# gathered expert weights at a fraction of the memory bandwidth. Giving each product 16
+# rows, 15 of them zero, makes it a batched GEMM instead, about twice as fast (profile in
+# docs/PERFORMANCE.md). The extra FLOPs are free on a GPU at decode sizes but not on a
+# CPU, so other platforms keep one row.
+GPU_GEMV_ROWS = 16
+
+
+def use_pairwise(tokens: int, k: int, w: ExpertWeights) -> bool:
+    return isinstance(w.wi_gate, LayerView) and w.lora is None and tokens * k <= PAIRWISE_MAX_PAIRS
+
+
+def use_gathered(tokens: int, k: int, num_experts: int) -> bool:
+    """Whether a batch is decode-sized enough for `gathered`: on accelerators, while
+    tokens x k <= experts / 4. Gathering copies each chosen expert, so it only pays while
+    few experts are chosen in total; past that, grouped matmuls that read each expert once
+    win. CPUs never gather: small batches take `pairwise`, the rest the grouped matmul."""
+    return sharding.platform() != "cpu" and 4 * tokens * k <= num_experts
+
+
+def moe_decode_accepts(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    t, k = idx_tk.shape
+    return use_pairwise(t, k, w) or use_gathered(t, k, w.wi_gate.shape[0])
+
+
+def moe_decode(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """sum_j weights[t, j] * expert_{idx[t, j]}(x_t), float32 [T, D]."""
+    t, k = idx_tk.shape
+    impl = pairwise if use_pairwise(t, k, w) else gathered
+    return impl(x_td, weights_tk, idx_tk, w, limit=limit, alpha=alpha, dtype=dtype)
+
+
+def gathered(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype, rows=None):
+    """Gather each (token, choice)'s expert weights and multiply directly: reads only the k
+    chosen experts per token, which is what bounds a decode step, where grouped matmuls
+    would touch every expert. `rows`: how many rows each product is padded to (default:
+    GPU_GEMV_ROWS on a GPU, else 1)."""
+    f32 = jnp.float32
+    t, k = idx_tk.shape
+    m = rows or (GPU_GEMV_ROWS if sharding.platform() == "gpu" else 1)
+    flat = idx_tk.reshape(-1)  # one product per (token, choice), token-major
+    pick = lambda a: a[flat].astype(dtype)  # [t*k, ...]; an int8 QArray gathers int8
+
+    def matvec(v_rd, w_rdf):  # [r, d] x [r, d, f] -> [r, f], as m-row products
+        v = jnp.pad(v_rd[:, None], ((0, 0), (0, m - 1), (0, 0)))
+        return jnp.einsum("rmd,rdf->rmf", v, w_rdf, preferred_element_type=f32)[:, 0]
+
+    x = jnp.repeat(x_td.astype(dtype), k, axis=0)
+    gate = matvec(x, pick(w.wi_gate)) + w.bi_gate.astype(f32)[flat]
+    up = matvec(x, pick(w.wi_up)) + w.bi_up.astype(f32)[flat]
+    lo = w.lora
+    if lo is not None:
+        # each (token, choice)'s own factors: [t*k, in, r] and [t*k, r, out]
+        pair = flat if lo.rows is None else (jnp.repeat(lo.rows, k), flat)
+        lpick = lambda a: a[pair].astype(dtype)
+    if lo is not None and lo.a_in is not None:
+        xa = matvec(x, lpick(lo.a_in)).astype(dtype)
+        gate = gate + matvec(xa, lpick(lo.b_gate))
+        up = up + matvec(xa, lpick(lo.b_up))
+    act = glu(gate, up, limit, alpha)
+    y = matvec(act.astype(dtype), pick(w.wo)) + w.bo.astype(f32)[flat]
+    if lo is not None and lo.a_out is not None:
+        y = y + matvec(matvec(act.astype(dtype), lpick(lo.a_out)).astype(dtype), lpick(lo.b_out))
+    return jnp.einsum("tk,tkd->td", weights_tk, y.reshape(t, k, -1))
+
+
+def pairwise(x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype):
+    """Decode on a CPU: a loop over the (token, choice) pairs, each multiplying its token
+    by its expert's three matrices read as slices of the weights: no gathered copy of
+    all chosen experts, no tile loop per expert; the fastest XLA path up to ~8 tokens.
+    Needs streamed weights (LayerViews): from a layer's sliced weights XLA would copy the
+    whole layer before the loop. No LoRA (`gathered` has it)."""
+    f32 = jnp.float32
+    t, k = idx_tk.shape
+    x = x_td.astype(dtype)
+    flat = idx_tk.reshape(-1)
+    dot = lambda a, m: jnp.dot(a, m.astype(dtype), preferred_element_type=f32)
+
+    def pair(p, out):
+        token, e = p // k, flat[p]
+        row = jax.lax.dynamic_slice_in_dim(x, token, 1)  # [1, D]
+        gate = dot(row, w.wi_gate[e]) + w.bi_gate[e].astype(f32)
+        up = dot(row, w.wi_up[e]) + w.bi_up[e].astype(f32)
+        y = dot(glu(gate, up, limit, alpha).astype(dtype), w.wo[e]) + w.bo[e].astype(f32)
+        return out.at[token].add(weights_tk[token, p % k] * y[0])
+
+    return jax.lax.fori_loop(0, t * k, pair, jnp.zeros((t, x.shape[1]), f32))

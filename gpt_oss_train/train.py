@@ -62,7 +62,8 @@ def resolve_architecture(config) -> dict:
     elif storage.is_remote(src):
         raise ConfigError(
             f"config.checkpoint.init_from: {src} is not an Orbax checkpoint; a Hugging Face "
-            "folder is read from local disk (or convert it: python -m gpt_oss_train.tools.convert_checkpoint)"
+            "folder is read from local disk (or convert it: python -m "
+            "gpt_oss_train.tools.convert_checkpoint)"
         )
     elif os.path.exists(os.path.join(src, "config.json")):
         arch = hf.HFCheckpoint(src).model_config

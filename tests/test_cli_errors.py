@@ -45,6 +45,14 @@ CASES = {
     "mesh vs devices": (["--config.mesh.fsdp=3"], "config.mesh"),
     "heads vs kv heads": (["--config.model.num_kv_heads=3"], "not divisible by num_kv_heads=3"),
     "non-finite limit": (["--config.train.max_nonfinite_steps=0"], "max_nonfinite_steps"),
+    "unknown kernel": (
+        ["--config.kernels.attention=nope"],
+        "config.kernels.attention: 'nope' is not one of ('auto', 'xla', 'blockwise'",
+    ),
+    "kernel of another platform": (
+        ["--config.kernels.attention=splash"],
+        "config.kernels.attention='splash' runs on ['tpu'], not on this program's cpu",
+    ),
     "missing file": (["--config.data.source={nope.txt}"], "no such file or directory"),
     "empty corpus": (["--config.data.source={empty}"], "the corpus is empty"),
     "malformed JSONL line": (

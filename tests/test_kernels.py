@@ -155,8 +155,8 @@ def test_xla_everywhere_trains_and_decodes_like_auto():
     references'. Decoding the trained weights in float32, greedy tokens are the same."""
     auto_setup, auto_state, auto = _losses("auto")
     _, _, xla = _losses("xla")
-    print(auto_setup.model_cfg.kernels.describe("cpu"), np.max(np.abs(np.subtract(auto, xla))))
-    np.testing.assert_allclose(auto, xla, rtol=3e-3)  # measured: <= 4e-4
+    ran = auto_setup.model_cfg.kernels.describe("cpu")
+    np.testing.assert_allclose(auto, xla, rtol=1e-3, err_msg=ran)  # measured: 1.1e-4
     assert auto[-1] < auto[0]  # it trained
 
     params = jax.tree.map(lambda a: a.astype(jnp.float32), auto_state["params"])

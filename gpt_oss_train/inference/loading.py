@@ -172,7 +172,7 @@ def _place(
     # The adapters, not the runtime config, say what LoRA the model carries.
     cfg = config_lib.ModelConfig.from_config(config, arch, platform).replace(lora=None)
     md = ModelDef(cfg)
-    kernels = cfg.kernels.describe(platform)  # a kernel of another platform fails here
+    cfg.kernels.check(platform)
     logging.info(
         "Loading %s model %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
     )
@@ -187,7 +187,7 @@ def _place(
 
         adapters_lib.attach(model, adapters)
     platforms.place_weights(model.params, platform)
-    logging.info("%s", kernels)
+    logging.info("%s", cfg.kernels.describe(platform))
     return model
 
 

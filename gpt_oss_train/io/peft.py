@@ -100,9 +100,7 @@ def to_peft_tensors(spec: LoraSpec, adapters: Mapping, num_layers: int) -> dict:
     return out
 
 
-def save_peft(
-    out_dir: str, spec: LoraSpec, adapters: Mapping, num_layers: int, base: str = ""
-):
+def save_peft(out_dir: str, spec: LoraSpec, adapters: Mapping, num_layers: int, base: str = ""):
     """Writes a PEFT adapter folder (refuses a non-empty out_dir)."""
     from safetensors.numpy import save_file
 

@@ -121,6 +121,12 @@ class Kernels:
         impl = self.impl("grouped_matmul")
         return impl.reads_in_place is not None and registry._load(impl.reads_in_place)(dtype, stack)
 
+    def check(self, platform: str) -> None:
+        """A ConfigError (one line) where a chosen kernel cannot run on `platform`; builds
+        nothing, so commands call it before any expensive work."""
+        for op in OPS:
+            registry.chosen(op, self.choice(op), platform)
+
     def describe(self, platform: str) -> str:
         """The start-up line: `kernels: attention=cpu grouped_matmul=cpu ...`, with why a
         chosen kernel is not the one that runs."""

@@ -162,21 +162,28 @@ def validate_choice(op: str, name: str) -> None:
         raise ConfigError(f"config.kernels.{op}: {name!r} is not one of {choices_of(op)}")
 
 
-def resolve(op: str, choice: str, platform: str) -> tuple[Impl, str]:
-    """(the implementation that runs `op` on `platform` for config value `choice`, and
-    why it is not the one asked for: "" when it is)."""
+def chosen(op: str, choice: str, platform: str) -> Impl:
+    """The implementation config value `choice` names for `platform`, before asking this
+    machine whether it can run it; a ConfigError where it cannot run on the platform.
+    Cheap (builds nothing): what commands check before any expensive work."""
     validate_choice(op, choice)
     entry = OPS[op]
-    name = entry.default(platform) if choice == AUTO else choice
-    impl = entry.impl(name)
+    impl = entry.impl(entry.default(platform) if choice == AUTO else choice)
     if platform not in impl.platforms and not _interpreted(impl):
         raise ConfigError(
-            f"config.kernels.{op}={name!r} runs on {sorted(impl.platforms)}, not on this "
+            f"config.kernels.{op}={impl.name!r} runs on {sorted(impl.platforms)}, not on this "
             f"program's {platform}; use 'auto' or 'xla'"
         )
-    reason = _unavailable(op, name, platform)
+    return impl
+
+
+def resolve(op: str, choice: str, platform: str) -> tuple[Impl, str]:
+    """(the implementation that runs `op` on `platform` for config value `choice`, and
+    why it is not the one asked for: "" when it is). Builds a CPU kernel on first use."""
+    impl = chosen(op, choice, platform)
+    reason = _unavailable(op, impl.name, platform)
     if reason:
-        return entry.reference, f"{name}: {reason}"
+        return OPS[op].reference, f"{impl.name}: {reason}"
     return impl, ""
 
 

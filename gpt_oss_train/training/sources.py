@@ -477,8 +477,9 @@ def make_source(spec: str, *, split: str = "train"):
     elif storage.is_remote(spec.removeprefix("chat:")):
         if spec.startswith("chat:") or not storage.exists(storage.join(spec, META_FILE)):
             raise DataError(
-                f"{spec}: from cloud storage only folders written by gpt_oss_train.tools.pretokenize "
-                f"(with {META_FILE}) are read; pre-tokenize the corpus, or copy it to local disk"
+                f"{spec}: from cloud storage only folders written by "
+                f"gpt_oss_train.tools.pretokenize (with {META_FILE}) are read; pre-tokenize the "
+                "corpus, or copy it to local disk"
             )
         source = _pretokenized_dir(storage.normalize(spec))
     elif spec.startswith("chat:"):

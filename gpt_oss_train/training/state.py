@@ -108,7 +108,7 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices)
     platform = sharding.platform(mesh)
     model_def = ModelDef(config_lib.ModelConfig.from_config(config, arch, platform))
-    model_def.cfg.kernels.describe(platform)  # a kernel of another platform: a config error
+    model_def.cfg.kernels.check(platform)
     check_batch(t.global_batch_size, t.grad_accum_steps, mesh, rules)
     tx, schedule = steps.make_optimizer(t)
 

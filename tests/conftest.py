@@ -261,6 +261,47 @@ def small_config():
     return make
 
 
+def _sources_hash() -> str:
+    """The package's Python sources and configs: a cached run is reused only while none of
+    the code that made it has changed."""
+    import glob
+    import hashlib
+
+    h = hashlib.sha256()
+    paths = glob.glob(os.path.join(ROOT, "gpt_oss_train", "**", "*.py"), recursive=True)
+    for path in sorted(paths + glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+        h.update(os.path.relpath(path, ROOT).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def cpu_tiny_run():
+    """An Orbax workdir of configs/cpu_tiny.py trained 3 steps (8 x 32 tokens), trained once
+    per version of the code and kept under the temp dir, keyed by the sources' hash."""
+    import shutil
+    import tempfile
+
+    from gpt_oss_train import config as config_lib
+    from gpt_oss_train import train
+
+    root = os.path.join(tempfile.gettempdir(), "gpt_oss_train_test_cache")
+    folder = os.path.join(root, f"cpu_tiny_run_{_sources_hash()}")
+    if not os.path.isdir(os.path.join(folder, "checkpoints")):
+        config = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
+        config.train.update(steps=3, global_batch_size=8, seq_len=32, eval_every=0, log_every=1)
+        config.checkpoint.update(every=0)
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="cpu_tiny_run.", dir=root)
+        assert train.train(config, tmp)["step"] == 3
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another xdist worker finished the same run first
+            shutil.rmtree(tmp)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def train_cli():
     """factory(workdir, *overrides) -> (command, env): the user's train command with

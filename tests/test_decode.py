@@ -45,18 +45,9 @@ def hf_model(hf_dir):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A run of configs/cpu_tiny.py, shortened to 3 steps."""
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train import train
-
-    config = config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py"))
-    config.train.update(steps=3, global_batch_size=8, seq_len=32, eval_every=0, log_every=1)
-    config.checkpoint.update(every=0)
-    path = str(tmp_path_factory.mktemp("run"))
-    summary = train.train(config, path)
-    assert summary["step"] == 3
-    return path
+def workdir(cpu_tiny_run):
+    """A run of configs/cpu_tiny.py, shortened to 3 steps (cached across test runs)."""
+    return cpu_tiny_run
 
 
 def _jsonl(*objs) -> bytes:

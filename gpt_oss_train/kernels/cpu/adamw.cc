@@ -7,7 +7,7 @@
 // moment, second moment, parameter), so the gradient and the new moments cross memory
 // twice; on the CPU benchmark's 517 M parameters that is ~20 GB a step where one pass
 // moves 14 GB (docs/PERFORMANCE.md). The arithmetic is optax's, operation for operation
-// (training/fused_adamw.py passes the scalars it would compute):
+// (fused_adamw.py passes the scalars it would compute):
 //
 //   c  = g / n;  c = clip ? (c / norm) * max_norm : c
 //   m' = (1 - b1) c + b1 m;       v' = (1 - b2) c^2 + b2 v

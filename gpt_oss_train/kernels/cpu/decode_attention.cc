@@ -2,7 +2,7 @@
 // XLA FFI custom call, reading the keys and values in place in their stored layout
 // (float32 or bfloat16, widened as they are read; the arithmetic is float32).
 //
-// Why a kernel: XLA's attention over the cache (model/attention.py, xla_attention) makes
+// Why a kernel: XLA's attention over the cache (xla/attention.py, cache_attention) makes
 // XLA:CPU copy the layer's keys and values out of the stack and transpose them to
 // [batch, kv_heads, slots, head_dim] before its small batched dots, every step and layer;
 // at batch 16 that was ~30 ms of a ~160 ms step (docs/PERFORMANCE.md). The arithmetic is

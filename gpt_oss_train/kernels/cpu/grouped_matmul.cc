@@ -39,7 +39,7 @@
 #include "xla/ffi/api/ffi.h"
 
 // Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU): a
-// failed build leaves model/grouped_matmul.py on its tiled kernel.
+// failed build leaves the registry on the tiled reference (xla/grouped_matmul.py).
 #ifndef __AVX512BF16__
 #error "grouped_matmul.cc needs AVX512-BF16 (vdpbf16ps)"
 #endif

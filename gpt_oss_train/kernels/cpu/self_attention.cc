@@ -7,7 +7,7 @@
 //   GptOssSelfAttentionGrad:  q, k, v, sinks, pos, seg, out, lse, dout
 //                             -> dq [b, s, n, h], dk, dv [b, s, kh, h], dsinks [b, n]
 //
-// Semantics (gpt-oss, as model/attention.py's xla_attention): grouped-query attention,
+// Semantics (gpt-oss, as xla/attention.py's xla_attention): grouped-query attention,
 // query head i*g + j reading KV head i; scale 1/sqrt(h); one sink logit per query head in
 // the softmax denominator only. Key j is visible to query i when 0 <= pos_j <= pos_i,
 // seg_j == seg_i and (window > 0) pos_i - pos_j < window: the mask is evaluated per pair,
@@ -38,7 +38,7 @@
 #include "xla/ffi/api/ffi.h"
 
 // Built only where the compiler targets AVX-512 (-march=native on such a CPU): a failed
-// build leaves model/attention.py on XLA's attention.
+// build leaves the registry on the XLA reference (xla/attention.py).
 #ifndef __AVX512F__
 #error "self_attention.cc needs AVX-512"
 #endif

@@ -78,7 +78,7 @@ struct Weights {
 };
 
 // Reads an FFI operand as Weights: F32, BF16, or U16 holding bfloat16 bit patterns (how
-// the KV cache stores bfloat16, model/bit_moves.py); false for other element types.
+// the KV cache stores bfloat16, arrays/bit_moves.py); false for other element types.
 inline bool as_weights(xla::ffi::AnyBuffer buffer, Weights* w) {
   using xla::ffi::DataType;
   const DataType t = buffer.element_type();

@@ -7,6 +7,7 @@ import base64
 import json
 import random
 
+import harmony_model  # tests/: the tool the trained Harmony model calls
 import pytest
 
 from gpt_oss_train.inference.server import chat_format, generation, text
@@ -15,14 +16,7 @@ from gpt_oss_train.inference.server.schemas import ChatCompletionRequest
 from gpt_oss_train.io import tokenizer as tok_lib
 
 TOKENIZER = tok_lib.Tokenizer()
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
+WEATHER = harmony_model.WEATHER_TOOL
 ARGS = '{"city": "Paris", "when": ["today", "tomorrow"], "units": {"temp": "C"}}'
 
 

@@ -13,6 +13,7 @@ import random
 import string
 import time
 
+import harmony_model  # tests/: the tool the trained Harmony model calls
 import pytest
 from openai_harmony import Conversation, RenderConversationConfig, Role
 
@@ -86,14 +87,7 @@ def test_cutting_agrees_with_harmony_on_random_text(tok, seed, monkeypatch):
         assert tok.encode(text) == _harmony(tok, text), (long_text.LONG_PIECE, text)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
+WEATHER = harmony_model.WEATHER_TOOL
 
 
 def _chat(rng: random.Random, n: int) -> list[dict]:

@@ -118,8 +118,7 @@ class Kernels:
     def reads_in_place(self, dtype, stack) -> bool:
         """Whether the grouped matmul that runs reads layers of this weight stack in place
         (the model then hands it layer views, arrays/layer_views.py)."""
-        impl = self.impl("grouped_matmul")
-        return impl.reads_in_place is not None and registry._load(impl.reads_in_place)(dtype, stack)
+        return self.impl("grouped_matmul").reads_stack(dtype, stack)
 
     def check(self, platform: str) -> None:
         """A ConfigError (one line) where a chosen kernel cannot run on `platform`; builds

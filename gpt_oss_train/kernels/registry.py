@@ -59,6 +59,9 @@ class Impl:
     def why_unavailable(self, platform: str) -> str | None:
         return None if self.unavailable is None else _load(self.unavailable)(platform)
 
+    def reads_stack(self, dtype, stack) -> bool:
+        return self.reads_in_place is not None and bool(_load(self.reads_in_place)(dtype, stack))
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:

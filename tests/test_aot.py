@@ -87,6 +87,15 @@ def test_compiles_for_a_tpu_slice_and_reports_memory(tmp_path):
     assert r["top_buffers"], r
     assert r["fits"] is False and proc.returncode == 1, proc.stdout[-2000:]
     assert "does not fit" in proc.stdout, proc.stdout[-2000:]
+    # The step model read the TPU program: its loops' trip counts (2 layers in one scanned
+    # block of 2 here), the FSDP collectives over the fsdp axis, an estimate on the chip.
+    m = r["step_model"]
+    assert m["flops"] >= 0.5 * r["model_flops_per_device"], m
+    assert m["hbm_bytes"] > r["arguments_bytes"], m
+    assert "all-gather" in m["collectives_by_kind"], m
+    assert any("fsdp" in axes for axes in m["collectives_by_axes"]), m
+    assert r["estimate"]["step_s"] > 0 and 0 < r["estimate"]["mfu"] < 1, r["estimate"]
+    assert "step model" in proc.stdout and "estimate" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_multi_slice_mesh_splits_physical_axes():

@@ -18,8 +18,12 @@ FLOPs per device against the model-FLOPs estimate (flops.training_flops_per_toke
 
 Reading the FLOPs: XLA's cost analysis counts the body of a loop once, so with
 scan_layers it covers one layer block (of num_layers / 2) and with grad_accum_steps one
-microbatch; it also counts lax.ragged_dot as if every row met every local expert. It is a
-check on the compiled program's shape, not a throughput figure.
+microbatch; it also counts lax.ragged_dot as if every row met every local expert. The
+"step model" section reads the optimized HLO instead (tools/step_model.py): loop bodies
+times their trip counts, HBM bytes, every collective by kind and by the mesh axes it
+spans, the Pallas kernels XLA cannot cost, and the step time, tokens/s and MFU those imply
+on the chip; docs/AOT.md says how to read it and what it leaves out. `--json=-` prints
+the whole result as one JSON object.
 
 It runs with JAX_PLATFORMS=cpu (set or not): the TPU devices are compile-only
 descriptions from libtpu, never initialised as a backend. LIBTPU_INIT_ARGS is honoured
@@ -36,6 +40,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 
 from absl import app, flags
@@ -198,12 +203,12 @@ def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
         # XLA's own verdict, e.g. "HLO temporaries (17.09G) exceeds available HBM (15.75G)",
         # or an on-chip scratch (VMEM) overflow of one kernel.
         info["error"] = " ".join(str(e).split())[:800]
-        return _finish(info, None)
+        return _finish(info, None, setup.mesh)
     info["compile_s"] = time.perf_counter() - t0
-    return _finish(info, compiled)
+    return _finish(info, compiled, setup.mesh)
 
 
-def _finish(info: dict, compiled) -> dict:
+def _finish(info: dict, compiled, mesh) -> dict:
     info.setdefault("error", None)
     if compiled is None:
         return info
@@ -214,6 +219,7 @@ def _finish(info: dict, compiled) -> dict:
         aliased_bytes=mem.alias_size_in_bytes,  # donated state reused by the outputs
         temp_bytes=mem.temp_size_in_bytes,
         code_bytes=mem.generated_code_size_in_bytes,
+        peak_bytes=mem.peak_memory_in_bytes,
     )
     info["total_bytes"] = (
         info["arguments_bytes"]
@@ -226,7 +232,27 @@ def _finish(info: dict, compiled) -> dict:
     if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
         cost = cost[0] if cost else {}
     info["compiled_flops_per_device"] = (cost or {}).get("flops")
+    info.update(_step_model(info, compiled, mesh))
     return info
+
+
+def _step_model(info: dict, compiled, mesh) -> dict:
+    """The step-time model (tools/step_model.py) of the compiled step, per device: the
+    HLO's FLOPs, HBM bytes, collectives and custom calls with loop trip counts applied,
+    and the step time, tokens/s and MFU they imply on this chip."""
+    from gpt_oss_train import hardware
+    from gpt_oss_train.tools import hlo_text, step_model
+
+    acct = step_model.account(compiled.as_text(), hlo_text.MeshSpec.from_jax(mesh))
+    return {
+        "step_model": step_model.summary(acct),
+        "estimate": step_model.estimate(
+            acct,
+            hardware.chip(info["device_kind"]),
+            model_flops=info["model_flops_per_device"],
+            tokens=info["tokens_per_step"] / info["devices"],
+        ),
+    }
 
 
 def verdict(r: dict, hbm_override_gib: float = 0.0) -> dict:
@@ -315,6 +341,7 @@ def _compiled_lines(r: dict) -> list[str]:
         "reuse the donated arguments",
         f"  temps     {g(r['temp_bytes'])}   activations, gradients, gathered weights",
         f"  code      {g(r['code_bytes'])}",
+        f"  peak      {g(r['peak_bytes'])}   XLA's peak of the buffers live at once",
         f"  total     {g(r['total_bytes'])}   arguments + outputs - reused + temps + code"
         + (f" = {100 * r['total_bytes'] / hbm:.0f}% of {hbm / GiB:g} GiB" if hbm else ""),
     ]
@@ -330,6 +357,82 @@ def _compiled_lines(r: dict) -> list[str]:
             f"            (XLA counts loop bodies once: {', '.join(loops).replace('_', ' ')})"
         )
     return lines
+
+
+def _size(b: float) -> str:
+    """Bytes in the largest binary unit that keeps a whole number in front."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _step_lines(r: dict) -> list[str]:
+    """The step model's account of the compiled HLO, per device and step (loop bodies
+    times their trip counts), beside the model's FLOPs."""
+    m = r["step_model"]
+    costed = m["custom_call_flops"]
+    loops = ", ".join(f"{lp['trip_count'] or '?'} trips ({lp['source']})" for lp in m["loops"])
+    return (
+        [
+            "step model  per device and step, from the optimized HLO, loops x their trip counts:",
+            f"  flops     HLO {m['flops']:.3e} = {m['flops'] / r['model_flops_per_device']:.2f}x "
+            "the model estimate"
+            + (f" ({costed:.3e} of it in costed custom calls)" if costed else ""),
+            f"  HBM       {_size(m['hbm_bytes'])} read + written (estimate)",
+            f"  loops     {loops or 'none'}",
+        ]
+        + _collective_lines(m)
+        + _custom_call_lines(m)
+        + _estimate_lines(r["estimate"])
+        + [f"  note      {n}" for n in m["notes"]]
+    )
+
+
+def _collective_lines(m: dict) -> list[str]:
+    """Collectives summed by kind and by the mesh axes they span, per step."""
+    lines = []
+    for title, key in (("kind", "collectives_by_kind"), ("mesh axes", "collectives_by_axes")):
+        lines.append(
+            f"  collectives by {title} (runs; result bytes; bytes each chip sends, ring model):"
+        )
+        lines += [
+            f"    {name:22s} {row['runs']:6.0f}  {_size(row['result_bytes']):>11}  "
+            f"{_size(row['link_bytes']):>11}"
+            for name, row in m[key].items()
+        ] or ["    none"]
+    return lines
+
+
+def _custom_call_lines(m: dict) -> list[str]:
+    """Custom calls (Pallas kernels) by name: XLA counts no FLOPs for them."""
+    if not m["custom_calls"]:
+        return []
+    return ["  custom calls (runs; operand bytes; result bytes; FLOPs):"] + [
+        f"    {name[:40]:40s} {row['runs']:6.0f}  {_size(row['operand_bytes']):>11}  "
+        f"{_size(row['result_bytes']):>11}  "
+        + (f"{row['flops']:.3e}" if row["flops"] is not None else "not costed")
+        for name, row in m["custom_calls"].items()
+    ]
+
+
+def _estimate_lines(e: dict) -> list[str]:
+    """The step time the account implies on this chip, and the assumption behind it."""
+    ms = lambda x: "?" if x is None else f"{1e3 * x:.2f}"
+    if "compute_s" not in e:
+        return [f"  estimate  {n}" for n in e["notes"]]
+    lines = [
+        f"  estimate  step {ms(e['step_s'])} ms = max(compute {ms(e['compute_s'])}, "
+        f"HBM {ms(e['hbm_s'])}) + ICI {ms(e['ici_s'])} + DCN {ms(e['dcn_s'])} ms"
+    ]
+    if e["step_s"]:
+        lines.append(
+            f"            {e['tokens_per_s_per_chip']:.0f} tokens/s per chip, MFU "
+            f"{100 * e['mfu']:.1f}% (model FLOPs / step time / peak)"
+        )
+    wrapped = textwrap.wrap(f"({e['assumption']})", 80)
+    lines += ["            " + line for line in wrapped]
+    return lines + [f"  note      {n}" for n in e["notes"]]
 
 
 def _verdict_line(r: dict) -> str:
@@ -359,6 +462,8 @@ def _verdict_line(r: dict) -> str:
 
 def report(r: dict) -> str:
     lines = _setup_lines(r) + _compiled_lines(r)
+    if r.get("step_model"):
+        lines += _step_lines(r)
     if r.get("top_arguments"):
         lines.append("largest arguments per device (state, frozen base):")
         lines += ["  " + row for row in r["top_arguments"]]
@@ -440,7 +545,12 @@ def _define_flags():
     flags.DEFINE_float(
         "hbm_gib", 0.0, "Memory per device in GiB (0: the chip's HBM from the table)."
     )
-    flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
+    flags.DEFINE_string(
+        "json",
+        "",
+        "Also write the numbers to this JSON file; '-' (or a bare --json): print only the "
+        "JSON object on stdout (the report goes to stderr).",
+    )
     flags.DEFINE_string(
         "dump_dir",
         "",
@@ -466,16 +576,25 @@ def main(argv):
         f.top_buffers,
         f.dump_dir,
     )
-    print(report(r))
+    # --json=-: stdout is one JSON object, for scripts; the report still reaches a person.
+    print(report(r), file=sys.stderr if f.json == "-" else sys.stdout)
     print(json.dumps(r), flush=True)
-    if f.json:
+    if f.json and f.json != "-":
         with open(f.json, "w") as out:
             json.dump(r, out, indent=2)
     if r["fits"] is False:
         sys.exit(1)
 
 
+def _bare_json_to_stdout(argv: list[str]) -> list[str]:
+    """A bare `--json` (last, or followed by another flag) means `--json=-`."""
+    return [
+        "--json=-" if a == "--json" and (i + 1 == len(argv) or argv[i + 1].startswith("-")) else a
+        for i, a in enumerate(argv)
+    ]
+
+
 if __name__ == "__main__":
     offline_tpu_environment()
     _define_flags()
-    app.run(main)
+    app.run(main, argv=_bare_json_to_stdout(sys.argv))

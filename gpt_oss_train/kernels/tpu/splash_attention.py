@@ -5,8 +5,9 @@ Causal by index within the sequence plus segment ids: valid for training and pre
 whole sequences, where positions equal indices within each segment. A Mosaic kernel
 cannot be partitioned by XLA, so under a mesh it runs in `shard_map` over the batch and
 head axes of the logical rules (each device: its rows, its heads, the whole sequence);
-rules that shard the sequence or head_dim, or query and KV heads differently, leave the
-XLA reference in its place (`accepts`).
+rules that shard the sequence or head_dim, or query and KV heads differently, and
+sequences that are not whole 128-position blocks, leave the XLA reference in its place
+(`accepts`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ def _specs(q, k):
     )
 
 
+# The kernel's query and key blocks (splash's defaults): a sequence must be whole blocks.
+BLOCK = 128
+
+
 def accepts(q, k, v, sinks, *, positions, segment_ids, window, block) -> bool:
-    """Whole sequences and heads on each device (see the module docstring)."""
+    """Whole blocks of sequence, and whole sequences and heads on each device (see the
+    module docstring)."""
+    if q.shape[1] % BLOCK:
+        return False
     if sharding.active() is None:
         return True
     qspec, kspec = _specs(q, k)

@@ -1,0 +1,201 @@
+"""A step-time model of a compiled XLA program, read from its optimized HLO text
+(`compiled.as_text()`; read as libtpu and XLA:CPU print it).
+
+    acct = step_model.account(compiled.as_text(), step_model.MeshSpec.from_jax(mesh))
+    step_model.estimate(acct, hardware.chip(device_kind), model_flops=..., tokens=...)
+
+`account` walks the program as it runs, per chip and per step:
+  - every computation and what each instruction calls (fusion `calls=`, while
+    `body=`/`condition=`, conditional branches, `call`, async wrappers); a while loop
+    multiplies what its body does by its trip count: XLA's `known_trip_count` where it
+    printed one (CPU does), else the count read from the loop's own condition when it has
+    the counted form `i = c0; i < N; i += s` (libtpu prints no known_trip_count), else 1,
+    with a note saying so;
+  - FLOPs of dot and convolution instructions from their shapes, inside fusions too
+    (2 x output elements x contracted size; a convolution counts only the window positions
+    that land on its input, not on padding), and of the custom calls with a costing hook
+    (hlo_costs.CUSTOM_CALL_FLOPS); other custom calls (Pallas kernels such as splash
+    attention) are listed as not costed;
+  - an estimate of HBM bytes: operands + results of the instructions that run at the top
+    of a computation (a fusion's operands and result cross HBM, its insides do not),
+    counting only arrays in the default memory space (TPU marks on-chip VMEM `S(1)`), a
+    dynamic slice as the bytes it reads and an in-place update as the bytes it writes;
+  - every collective, counted once (async -start/-done pairs, TPU's async collective
+    fusions and its reduce-scatter fusion hold one collective in several instructions; a
+    multi-slice program crosses slices with send/recv pairs), with its result bytes, group
+    size, the mesh axes its groups span, whether it crosses slices, how often it runs,
+    and its link bytes per chip under a ring model.
+
+`estimate` turns the account into a step time with one overlap assumption: compute (at
+the chip's bf16 peak) and HBM traffic (at its bandwidth) overlap, so the slower of the
+two counts; collectives are added after, not overlapped (at ICI bandwidth within a
+slice, DCN across slices). docs/AOT.md states the model's blind spots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpt_oss_train import hardware
+from gpt_oss_train.tools import hlo_costs
+from gpt_oss_train.tools.hlo_text import Computation, Inst, MeshSpec, Module, nbytes, parse
+
+# ----------------------------------------------------------------------------- the account
+
+
+@dataclasses.dataclass
+class CustomCall:
+    kernel: str
+    operand_bytes: float
+    result_bytes: float
+    runs: float
+    flops: float | None  # per run; None: not costed
+
+
+@dataclasses.dataclass
+class StepAccount:
+    """Per chip, per step. flops includes the costed custom calls (custom_call_flops)."""
+
+    flops: float = 0.0
+    custom_call_flops: float = 0.0
+    hbm_bytes: float = 0.0
+    collectives: list[hlo_costs.Collective] = dataclasses.field(default_factory=list)
+    custom_calls: list[CustomCall] = dataclasses.field(default_factory=list)
+    loops: list[hlo_costs.Loop] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _custom_call(comp: Computation, inst: Inst, runs: float) -> CustomCall:
+    name = hlo_costs.kernel_name(inst)
+    hook = hlo_costs.CUSTOM_CALL_FLOPS.get(name)
+    operands = sum(nbytes(comp.insts[o].shape) for o in inst.operands)
+    return CustomCall(name, operands, nbytes(inst.shape), runs, hook(comp, inst) if hook else None)
+
+
+def account(hlo: str | Module, mesh: MeshSpec | None = None) -> StepAccount:
+    """What one step of the program does per chip (module docstring)."""
+    module = hlo if isinstance(hlo, Module) else parse(hlo)
+    runs, fused, loops, notes = hlo_costs.runs_of(module)
+    acct = StepAccount(loops=loops, notes=notes)
+    for name, times in runs.items():
+        comp = module.computations[name]
+        for inst in comp.insts.values():
+            if inst.opcode in ("dot", "ragged-dot"):
+                acct.flops += times * hlo_costs.dot_flops(comp, inst)
+            elif inst.opcode == "convolution":
+                acct.flops += times * hlo_costs.conv_flops(comp, inst)
+            elif inst.opcode == "custom-call" and not hlo_costs.is_xla_marker(inst):
+                call = _custom_call(comp, inst, times)
+                acct.custom_calls.append(call)
+                acct.custom_call_flops += times * (call.flops or 0.0)
+            if name not in fused:
+                acct.hbm_bytes += times * hlo_costs.hbm_bytes(module, comp, inst)
+            coll = hlo_costs.collective(module, comp, inst, mesh, times)
+            if coll:
+                acct.collectives.append(coll)
+    acct.flops += acct.custom_call_flops
+    uncosted = {c.kernel for c in acct.custom_calls if c.flops is None}
+    if uncosted:
+        notes.append(f"custom calls not costed (no FLOPs counted): {', '.join(sorted(uncosted))}")
+    return acct
+
+
+# ----------------------------------------------------------------------------- summary and estimate
+
+
+def _grouped(colls: list[hlo_costs.Collective], key) -> dict[str, dict]:
+    """Collectives summed by key(collective): instructions, runs and bytes per step."""
+    out = {}
+    for c in colls:
+        row = out.setdefault(key(c), dict(count=0, runs=0.0, result_bytes=0.0, link_bytes=0.0))
+        row["count"] += 1
+        row["runs"] += c.runs
+        row["result_bytes"] += c.runs * c.result_bytes
+        row["link_bytes"] += c.runs * c.link_bytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["link_bytes"]))
+
+
+def _axes_key(c: hlo_costs.Collective) -> str:
+    where = ",".join(c.axes) if c.axes else ("(none)" if c.axes == () else "(unknown)")
+    return where + (" [DCN]" if c.dcn else "")
+
+
+def _kernels(calls: list[CustomCall]) -> dict[str, dict]:
+    """Custom calls summed by kernel: runs, bytes and FLOPs per step (None: not costed)."""
+    out = {}
+    for c in calls:
+        row = out.setdefault(
+            c.kernel, dict(runs=0.0, operand_bytes=0.0, result_bytes=0.0, flops=0.0)
+        )
+        row["runs"] += c.runs
+        row["operand_bytes"] += c.runs * c.operand_bytes
+        row["result_bytes"] += c.runs * c.result_bytes
+        costed = c.flops is not None and row["flops"] is not None
+        row["flops"] = row["flops"] + c.runs * c.flops if costed else None
+    return out
+
+
+def summary(acct: StepAccount) -> dict:
+    """The account as plain numbers per chip per step (JSON): bytes are totals over runs."""
+    return {
+        "flops": acct.flops,
+        "custom_call_flops": acct.custom_call_flops,
+        "hbm_bytes": acct.hbm_bytes,
+        "collectives_by_kind": _grouped(acct.collectives, lambda c: c.kind),
+        "collectives_by_axes": _grouped(acct.collectives, _axes_key),
+        "custom_calls": _kernels(acct.custom_calls),
+        "loops": [dataclasses.asdict(lp) for lp in acct.loops],
+        "notes": list(acct.notes),
+    }
+
+
+ASSUMPTION = (
+    "compute (bf16 peak) and HBM traffic overlap: the slower counts; collectives are added "
+    "after, not overlapped (ICI at half the chip's bidirectional bandwidth, DCN at its "
+    "per-chip figure)"
+)
+
+
+def _collective_seconds(
+    acct: StepAccount, chip: hardware.Chip
+) -> tuple[float | None, float | None]:
+    """(ICI seconds, DCN seconds): link bytes over the bandwidth of the links they cross;
+    None where there are such bytes and no figure for those links. A ring sends one way
+    around while receiving from the other, so a chip's one-way share of its ICI counts."""
+    ici = sum(c.runs * c.link_bytes for c in acct.collectives if not c.dcn)
+    dcn = sum(c.runs * c.link_bytes for c in acct.collectives if c.dcn)
+    ici_s = ici / (chip.ici_bandwidth / 2) if chip.ici_bandwidth else (0.0 if not ici else None)
+    dcn_s = dcn / chip.dcn_bandwidth if chip.dcn_bandwidth else (0.0 if not dcn else None)
+    return ici_s, dcn_s
+
+
+def estimate(
+    acct: StepAccount,
+    chip: hardware.Chip | None,
+    model_flops: float | None = None,
+    tokens: float | None = None,
+) -> dict:
+    """Step time per the overlap assumption (ASSUMPTION), with tokens/s per chip and the MFU
+    it implies from `model_flops` and `tokens` per chip per step. Any part without a chip
+    figure is None, and the notes say which."""
+    out = {"assumption": ASSUMPTION, "notes": []}
+    if chip is None:
+        out["notes"].append("no figures for this chip in gpt_oss_train/hardware.py: no estimate")
+        return out
+    compute_s = acct.flops / chip.peak_flops
+    hbm_s = acct.hbm_bytes / chip.hbm_bandwidth if chip.hbm_bandwidth else None
+    ici_s, dcn_s = _collective_seconds(acct, chip)
+    out.update(compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s)
+    if hbm_s is None:
+        out["notes"].append("no HBM bandwidth figure for this chip: no step time")
+    links = [name for name, t in (("ICI", ici_s), ("DCN", dcn_s)) if t is None]
+    if links:
+        out["notes"].append(
+            f"no interconnect figure ({' and '.join(links)}) for this chip, whose collectives "
+            "cross those links: no step time"
+        )
+    step = None if hbm_s is None or links else max(compute_s, hbm_s) + ici_s + dcn_s
+    out["step_s"] = step
+    out["tokens_per_s_per_chip"] = tokens / step if step and tokens else None
+    out["mfu"] = model_flops / step / chip.peak_flops if step and model_flops else None
+    return out

@@ -1,0 +1,296 @@
+"""gpt_oss_train.tools.step_model: the per-step account of a compiled program read from its
+optimized HLO, against numbers counted by hand: a shard_map program compiled on the 8 CPU
+devices, a hand-written module in TPU's forms (no known trip count, on-chip buffers, async
+collective fusions, a reduce-scatter fusion, a padded convolution, a Pallas call), the
+replica-group syntaxes, and the estimate's formula."""
+
+import re
+
+import numpy as np
+import pytest
+
+from gpt_oss_train import hardware
+from gpt_oss_train.tools import hlo_text, step_model
+
+TRIPS = 5
+# Per device: x [8, 16] @ w [16, 32] -> y [8, 32] f32, summed over "model" (4 devices),
+# then gathered over "data" (2 devices) to [16, 32].
+DOT_FLOPS = 2 * 8 * 32 * 16
+PSUM_BYTES, GATHER_BYTES = 8 * 32 * 4, 16 * 32 * 4
+
+
+def _program_text() -> str:
+    """A fori_loop of TRIPS trips whose body does one matmul, a psum over "model" and an
+    all_gather over "data", on a (data=2, model=4) mesh whose devices are in transposed
+    order: XLA's group ids are positions in the mesh, not device ids, so a parser mapping
+    them through the device ids would find the wrong axes."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    devices = np.array(jax.devices()[:8]).reshape(4, 2).T  # ids [[0,2,4,6],[1,3,5,7]]
+    mesh = Mesh(devices, ("data", "model"))
+
+    def body(_, carry):
+        x, w = carry
+        y = jax.lax.psum(x @ w, "model")
+        g = jax.lax.all_gather(y, "data", tiled=True)
+        return x + g[: x.shape[0], : x.shape[1]], w
+
+    def f(x, w):
+        return jax.lax.fori_loop(0, TRIPS, body, (x, w))[0]
+
+    step = jax.jit(
+        jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=(P("data", "model"), P("model", None)),
+            out_specs=P("data", "model"),
+        )
+    )
+    x = jax.device_put(jnp.ones((16, 64), jnp.float32), jax.NamedSharding(mesh, P("data", "model")))
+    w = jax.device_put(jnp.ones((64, 32), jnp.float32), jax.NamedSharding(mesh, P("model", None)))
+    return step.lower(x, w).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def program():
+    return _program_text()
+
+
+MESH = hlo_text.MeshSpec(("data", "model"), (2, 4))
+
+
+def _collectives(acct):
+    return sorted(
+        (c.kind, c.result_bytes, c.group_size, c.axes, c.runs, c.link_bytes)
+        for c in acct.collectives
+    )
+
+
+def test_a_compiled_loop_is_counted_times_its_trips(program):
+    acct = step_model.account(program, MESH)
+    assert [(lp.trip_count, lp.source) for lp in acct.loops] == [(TRIPS, "xla")]
+    assert acct.flops == TRIPS * DOT_FLOPS
+    assert _collectives(acct) == [
+        ("all-gather", GATHER_BYTES, 2, ("data",), TRIPS, GATHER_BYTES / 2),  # (n-1)/n
+        ("all-reduce", PSUM_BYTES, 4, ("model",), TRIPS, 2 * 3 / 4 * PSUM_BYTES),  # 2(n-1)/n
+    ]
+    assert acct.hbm_bytes > TRIPS * (PSUM_BYTES + GATHER_BYTES)  # the collectives alone
+    assert not acct.notes, acct.notes
+
+
+def test_trip_count_read_from_the_loop_or_flagged(program):
+    # libtpu prints no known_trip_count: the count comes from the loop's own condition.
+    bare = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", program)
+    acct = step_model.account(bare, MESH)
+    assert [(lp.trip_count, lp.source) for lp in acct.loops] == [(TRIPS, "condition")]
+    assert acct.flops == TRIPS * DOT_FLOPS
+    # A condition of another form: counted once, and said so.
+    assert "direction=LT" in bare
+    odd = step_model.account(bare.replace("direction=LT", "direction=NE"), MESH)
+    assert [(lp.trip_count, lp.source) for lp in odd.loops] == [(None, "unknown")]
+    assert odd.flops == DOT_FLOPS and {c.runs for c in odd.collectives} == {1}
+    assert any("no known trip count" in n for n in odd.notes), odd.notes
+
+
+# TPU's forms, written by hand: a loop of 3 trips with no known_trip_count (its counter
+# behind a copy), on-chip `S(1)` buffers, a weight stack read one layer a trip, a
+# reduce-scatter fusion, an all-gather split into an async start and done fusion, a
+# permute, a padded convolution, TPU's ragged-dot kernel and an unknown Pallas kernel.
+TPU_LIKE = """HloModule tpu_like, entry_computation_layout={()->f32[4,8]}, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%slice_layer (p0: f32[3,4,8], p1: s32[]) -> f32[4,8] {
+  %p0 = f32[3,4,8]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,4,8]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,4,8}
+  ROOT %r = f32[4,8]{1,0} bitcast(%ds)
+}
+
+%all-reduce-scatter.1 (x0: f32[8,8]) -> f32[2,8] {
+  %x0 = f32[8,8]{1,0} parameter(0)
+  %ar = f32[8,8]{1,0} all-reduce(%x0), channel_id=3, replica_groups=mesh['axis_0'=4] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %pid = u32[] partition-id()
+  %two = u32[] constant(2)
+  %off = u32[] multiply(%pid, %two)
+  %zero = u32[] constant(0)
+  ROOT %share = f32[2,8]{1,0} dynamic-slice(%ar, %off, %zero), dynamic_slice_sizes={2,8}
+}
+
+%gather_start (g0: f32[1,8]) -> (f32[1,8], f32[4,8]) {
+  %g0 = f32[1,8]{1,0} parameter(0)
+  %ag = f32[4,8]{1,0} all-gather(%g0), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="0"}
+  ROOT %st = (f32[1,8]{1,0}, f32[4,8]{1,0}) custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}
+
+%gather_done (h0: f32[1,8], h1: f32[4,8]) -> f32[4,8] {
+  %h0 = f32[1,8]{1,0} parameter(0)
+  %h1 = f32[4,8]{1,0} parameter(1)
+  %ag2 = f32[4,8]{1,0} all-gather(%h0), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, frontend_attributes={chain_id="0"}
+  ROOT %dn = f32[4,8]{1,0} custom-call(%h0, %h1, %ag2), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (t: (s32[], f32[4,8], f32[3,4,8])) -> (s32[], f32[4,8], f32[3,4,8]) {
+  %t = (s32[]{:S(1)}, f32[4,8]{1,0:S(1)}, /*index=2*/f32[3,4,8]{2,1,0}) parameter(0)
+  %i = s32[]{:S(1)} get-tuple-element(%t), index=0
+  %ic = s32[]{:S(1)} copy(%i)
+  %one = s32[]{:S(1)} constant(1)
+  %next = s32[]{:S(1)} add(%ic, %one)
+  %h = f32[4,8]{1,0:S(1)} get-tuple-element(%t), index=1
+  %ws = f32[3,4,8]{2,1,0} get-tuple-element(%t), index=2
+  %w = f32[4,8]{1,0:S(1)} fusion(%ws, %i), kind=kLoop, calls=%slice_layer
+  %d = f32[4,4]{1,0:S(1)} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %cp = f32[4,8]{1,0:S(1)} collective-permute(%h), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %nh = f32[4,8]{1,0:S(1)} add(%cp, %w)
+  ROOT %out = (s32[]{:S(1)}, f32[4,8]{1,0:S(1)}, f32[3,4,8]{2,1,0}) tuple(%next, %nh, %ws)
+}
+
+%cond (c: (s32[], f32[4,8], f32[3,4,8])) -> pred[] {
+  %c = (s32[]{:S(1)}, f32[4,8]{1,0:S(1)}, f32[3,4,8]{2,1,0}) parameter(0)
+  %ci = s32[]{:S(1)} get-tuple-element(%c), index=0
+  %n = s32[]{:S(1)} constant(3)
+  ROOT %lt = pred[]{:S(1)} compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (x: f32[2,5,3], k: f32[3,3,4], ws: f32[3,4,8], g: f32[8,8], s: f32[1,8]) -> f32[4,8] {
+  %x = f32[2,5,3]{2,1,0:S(1)} parameter(0)
+  %k = f32[3,3,4]{2,1,0:S(1)} parameter(1)
+  %conv = f32[2,5,4]{2,1,0:S(1)} convolution(%x, %k), window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f
+  %ws = f32[3,4,8]{2,1,0} parameter(2)
+  %zero = f32[]{:S(1)} constant(0)
+  %h0 = f32[4,8]{1,0:S(1)} broadcast(%zero), dimensions={}
+  %i0 = s32[]{:S(1)} constant(0)
+  %i0c = s32[]{:S(1)} copy(%i0)
+  %init = (s32[]{:S(1)}, f32[4,8]{1,0:S(1)}, f32[3,4,8]{2,1,0}) tuple(%i0c, %h0, %ws)
+  %loop = (s32[]{:S(1)}, f32[4,8]{1,0:S(1)}, f32[3,4,8]{2,1,0}) while(%init), condition=%cond, body=%body
+  %g = f32[8,8]{1,0} parameter(3)
+  %rs = f32[2,8]{1,0:S(1)} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.1
+  %s = f32[1,8]{1,0:S(1)} parameter(4)
+  %start = (f32[1,8]{1,0:S(1)}, f32[4,8]{1,0:S(1)}) fusion(%s), kind=kCustom, calls=%gather_start
+  %s0 = f32[1,8]{1,0:S(1)} get-tuple-element(%start), index=0
+  %s1 = f32[4,8]{1,0:S(1)} get-tuple-element(%start), index=1
+  %done = f32[4,8]{1,0:S(1)} fusion(%s0, %s1), kind=kCustom, calls=%gather_done
+  %lhs = f32[6,4]{1,0:S(1)} broadcast(%zero), dimensions={}
+  %rhs = f32[2,4,5]{2,1,0:S(1)} broadcast(%zero), dimensions={}
+  %ragged-dot-none.2 = f32[6,5]{1,0:S(1)} custom-call(%lhs, %rhs), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{}"
+}}
+  %my_kernel.7 = f32[6,5]{1,0:S(1)} custom-call(%lhs), custom_call_target="tpu_custom_call"
+  %out = f32[4,8]{1,0:S(1)} get-tuple-element(%loop), index=1
+  ROOT %r = (f32[4,8]{1,0:S(1)}, f32[2,5,4]{2,1,0:S(1)}, f32[2,8]{1,0:S(1)}, f32[4,8]{1,0:S(1)}) tuple(%out, %conv, %rs, %done)
+}
+"""  # noqa: E501  (HLO as XLA prints it, one instruction a line)
+
+
+def test_tpu_forms_counted_by_hand():
+    acct = step_model.account(TPU_LIKE, hlo_text.MeshSpec(("x",), (4,)))
+    assert [(lp.trip_count, lp.source) for lp in acct.loops] == [(3, "condition")]
+    # Convolution: of 3 x 5 (kernel tap, output) pairs per row, 2 land on padding: 13 valid,
+    # x 2 batch x 4 output x 3 input features (not 3 x 5 = 15 pairs: padding is no work).
+    conv = 2 * 2 * 4 * 3 * 13
+    dot = 3 * 2 * 4 * 4 * 8  # 3 trips of [4, 8] x [4, 8]^T
+    ragged = 2 * 6 * 4 * 5  # each of 6 rows meets one [4, 5] group
+    assert acct.custom_call_flops == ragged
+    assert acct.flops == conv + dot + ragged
+    # HBM: only arrays outside S(1). The loop reads one [4, 8] f32 layer of the stack a
+    # trip (not the whole [3, 4, 8]); the reduce-scatter fusion reads its [8, 8] input.
+    assert acct.hbm_bytes == 3 * 4 * 8 * 4 + 8 * 8 * 4
+    assert _collectives(acct) == [
+        ("all-gather", 4 * 8 * 4, 4, ("x",), 1, 3 / 4 * 128),  # start and done: once
+        ("collective-permute", 4 * 8 * 4, 2, ("x",), 3, 128),
+        ("reduce-scatter", 2 * 8 * 4, 4, ("x",), 1, 3 * 64),  # (n-1) x the share
+    ]
+    assert {c.kernel: c.flops for c in acct.custom_calls} == {
+        "ragged-dot-none": ragged,
+        "my_kernel": None,
+    }
+    assert any("not costed" in n and "my_kernel" in n for n in acct.notes), acct.notes
+
+
+@pytest.mark.parametrize(
+    "attrs, groups",
+    [
+        ("replica_groups={{0,1},{2,3}}", [[0, 1], [2, 3]]),
+        ("replica_groups={}", [[0, 1, 2, 3]]),
+        ("replica_groups=[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        # iota(8) as [2, 4], transposed: [[0,4],[1,5],[2,6],[3,7]], cut in groups of 2
+        ("replica_groups=[4,2]<=[2,4]T(1,0)", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=[2,4]<=[2,2,2]T(2,1,0)", [[0, 4, 2, 6], [1, 5, 3, 7]]),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+        # a sub-axis: 'a' of 8 as [2, 2, 2], the middle 2 grouped
+        ("replica_groups=mesh['a'=8] {'a':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+        ("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'a'}", [[3, 1], [2, 0]]),
+        ("source_target_pairs={{0,1},{1,2}}", [[0, 1], [1, 2]]),
+    ],
+)
+def test_replica_group_syntaxes(attrs, groups):
+    assert hlo_text.replica_groups(attrs + ", use_global_device_ids=true", 4) == groups
+
+
+def test_groups_map_to_the_mesh_axes_they_span():
+    mesh = hlo_text.MeshSpec(("data", "model"), (2, 4))
+    assert hlo_text.mesh_axes([[0, 4], [1, 5]], mesh) == ("data",)
+    assert hlo_text.mesh_axes([[0, 1, 2, 3]], mesh) == ("model",)
+    assert hlo_text.mesh_axes([[0, 1, 4, 5]], mesh) == ("data", "model")
+    assert hlo_text.mesh_axes([[0, 8]], mesh) is None  # not this mesh's program
+
+
+def test_estimate_is_the_stated_formula(program):
+    chip = hardware.Chip(1e12, None, 1e9, ici_bandwidth=4e9, dcn_bandwidth=1e8)
+    acct = step_model.account(program, MESH)
+    link = TRIPS * (2 * 3 / 4 * PSUM_BYTES + GATHER_BYTES / 2)
+    step = max(acct.flops / 1e12, acct.hbm_bytes / 1e9) + link / 2e9  # one way: half of ICI
+    e = step_model.estimate(acct, chip, model_flops=3e4, tokens=100)
+    assert e["step_s"] == pytest.approx(step, rel=1e-12)
+    assert e["mfu"] == pytest.approx(3e4 / step / 1e12, rel=1e-12)
+    assert e["tokens_per_s_per_chip"] == pytest.approx(100 / step, rel=1e-12)
+    # Two slices along "data": the gather crosses them and is timed at the DCN figure.
+    sliced = hlo_text.MeshSpec(("data", "model"), (2, 4), slice_ids=(0,) * 4 + (1,) * 4)
+    e = step_model.estimate(step_model.account(program, sliced), chip)
+    assert e["dcn_s"] == pytest.approx(TRIPS * GATHER_BYTES / 2 / 1e8, rel=1e-12)
+    assert e["ici_s"] == pytest.approx(TRIPS * 1.5 * PSUM_BYTES / 2e9, rel=1e-12)
+    # No interconnect figure: no step time, and the estimate says why.
+    e = step_model.estimate(acct, hardware.Chip(1e12, None, 1e9))
+    assert e["step_s"] is None and any("no interconnect figure" in n for n in e["notes"])
+
+
+# Two slices of 2 chips: a multi-slice TPU program reduces across slices (DCN) with
+# send/recv pairs for the megascale runtime, not with an all-reduce instruction.
+TWO_SLICES = """HloModule two_slices, num_partitions=4
+
+ENTRY %main (m: f32[2,8]) -> f32[2,8] {
+  %m = f32[2,8]{1,0} parameter(0)
+  %tok = token[] after-all()
+  %send = (f32[2,8]{1,0}, u32[], token[]) send(%m, %tok), channel_id=7, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv = (f32[2,8]{1,0}, u32[], token[]) recv(%tok), channel_id=6, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv-done = (f32[2,8]{1,0}, token[]) recv-done(%recv), channel_id=6, is_host_transfer=true
+  %send-done = token[] send-done(%send), channel_id=7, is_host_transfer=true
+  ROOT %out = f32[2,8]{1,0} get-tuple-element(%recv-done), index=0
+}
+"""  # noqa: E501
+
+
+def test_cross_slice_transfers_are_dcn_collectives():
+    mesh = hlo_text.MeshSpec(("data", "fsdp"), (2, 2), slice_ids=(0, 0, 1, 1))
+    acct = step_model.account(TWO_SLICES, mesh)
+    assert _collectives(acct) == [("all-reduce", 64, 2, ("data",), 1, 64.0)]  # 2(n-1)/n
+    assert [c.dcn for c in acct.collectives] == [True]
+    assert acct.hbm_bytes == 64 + 64  # the send reads the data, the recv-done writes it
+
+
+def test_a_bare_json_flag_means_stdout():
+    from gpt_oss_train.tools.aot_compile import _bare_json_to_stdout
+
+    assert _bare_json_to_stdout(["x", "--json"]) == ["x", "--json=-"]
+    assert _bare_json_to_stdout(["x", "--json", "--topology=v5e:2x2"])[1] == "--json=-"
+    assert _bare_json_to_stdout(["x", "--json", "out.json"]) == ["x", "--json", "out.json"]
+    assert _bare_json_to_stdout(["x", "--json=a.json"]) == ["x", "--json=a.json"]

@@ -36,7 +36,7 @@ TINY = [
 ]
 
 
-def _run(tmp_path, *extra):
+def _run(tmp_path, *extra, topology="v5e:2x2"):
     out = tmp_path / "aot.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -45,7 +45,7 @@ def _run(tmp_path, *extra):
             "-m",
             "gpt_oss_train.tools.aot_compile",
             "--config=configs/tpu_v5e.py",
-            "--topology=v5e:2x2",
+            f"--topology={topology}",
             f"--json={out}",
             *TINY,
             *extra,
@@ -137,3 +137,16 @@ def test_lora_step_takes_the_frozen_base_as_an_argument(tmp_path):
     assert r["frozen_bytes_per_device"] > 2 * r["state_bytes_per_device"], r
     assert any("frozen/" in row and "blocks" in row for row in r["top_arguments"]), r
     assert "frozen base" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_experts_take_a_ragged_all_to_all_where_libtpu_compiles_one(tmp_path):
+    """The expert_parallel op's TPU default sends each (token, choice) pair only to its
+    expert's shard: a ragged all-to-all on v5p; libtpu refuses one on v5e, where the
+    tokens are gathered instead."""
+    kinds = {}
+    for topology in ("v5p:2x2x1", "v5e:2x2"):
+        proc, r = _run(tmp_path, topology=topology)
+        assert r is not None and r["error"] is None, proc.stdout[-3000:] + proc.stderr[-3000:]
+        kinds[topology] = r["step_model"]["collectives_by_kind"]
+    assert kinds["v5p:2x2x1"]["ragged-all-to-all"]["runs"] >= 4, kinds  # 2 layers, in and out
+    assert "ragged-all-to-all" not in kinds["v5e:2x2"], kinds

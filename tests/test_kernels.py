@@ -90,6 +90,10 @@ def test_auto_takes_each_platforms_measured_default():
     # The Pallas GPU kernels are selectable, not yet defaults: never measured on a GPU.
     assert pick("attention", "gpu") == "xla" and pick("moe_decode", "gpu") == "xla"
     assert {pick(op, "tpu") for op in ("matmul", "cross_entropy", "optimizer_update")} == {"xla"}
+    # Experts' tokens: all-to-all where the step model shows fewer bytes (tests/test_aot.py);
+    # CPU emulates it with k x the gather's bytes, so gathers.
+    assert pick("expert_parallel", "tpu") == "all_to_all"
+    assert pick("expert_parallel", "cpu") == pick("expert_parallel", "gpu") == "xla"
 
 
 def test_an_unavailable_kernel_leaves_the_reference_and_says_why(monkeypatch):
@@ -105,7 +109,9 @@ def test_the_environment_switch_turns_every_cpu_kernel_off():
     env = dict(os.environ, GPT_OSS_TRAIN_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    for op in registry.OPS:
+    with_cpu_kernels = [op for op, entry in registry.OPS.items() if "cpu" in entry.names]
+    assert len(with_cpu_kernels) == 8
+    for op in with_cpu_kernels:
         assert f"{op}=xla (cpu: GPT_OSS_TRAIN_CPU_KERNELS=0)" in out.stdout, out.stdout
 
 

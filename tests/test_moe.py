@@ -3,6 +3,8 @@ and (for gradients) the dense back-end differentiated in float64. The grouped-ma
 kernels are checked on routings that stress their bookkeeping: empty experts, every row
 on one expert, groups smaller and larger than a tile."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +66,11 @@ def test_moe_backends_match_float64_reference(impl):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
-def test_sharded_moe_on_an_expert_and_tensor_mesh_equals_ragged():
+@pytest.mark.parametrize("exchange", ["xla", "all_to_all"])
+def test_sharded_moe_on_an_expert_and_tensor_mesh_equals_ragged(exchange):
+    """Both ways of moving tokens to their experts' shards (all-gather; all-to-all of the
+    pairs, emulated densely on CPU) give the one-device result."""
+    kernels = Kernels.of(expert_parallel=exchange)
     x, kernel, bias, w = _moe_inputs(t=32)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
@@ -75,11 +81,14 @@ def test_sharded_moe_on_an_expert_and_tensor_mesh_equals_ragged():
     for sizes in (
         dict(data=2, fsdp=1, tensor=1, expert=4),
         dict(data=1, fsdp=2, tensor=2, expert=2),
+        dict(data=1, fsdp=1, tensor=1, expert=8),
     ):
         mesh = sharding.make_mesh(sizes)
         with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
             got = jax.jit(
-                lambda *a: moe_lib.sharded_experts(*a, limit=7.0, alpha=1.702, dtype=jnp.float32)
+                lambda *a: moe_lib.sharded_experts(
+                    *a, limit=7.0, alpha=1.702, dtype=jnp.float32, kernels=kernels
+                )
             )(f32(x), weights, idx, ew)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4, err_msg=str(sizes))
 
@@ -310,9 +319,11 @@ def test_expert_outputs_and_gradients_equal_dense_float64():
         assert unused and np.all(np.asarray(got_g[2]["wi_gate"])[unused] == 0)
 
 
-def test_sharded_gradients_on_an_expert_mesh_equal_dense():
+@pytest.mark.parametrize("exchange", ["xla", "all_to_all"])
+def test_sharded_gradients_on_an_expert_mesh_equal_dense(exchange):
     """Expert parallelism (each device's experts through the tiled kernel under
-    shard_map) differentiates to the dense back-end's gradients."""
+    shard_map) differentiates to the dense back-end's gradients, however the tokens move."""
+    kernels = Kernels.of(expert_parallel=exchange)
     x, kernel, bias, w = _moe_inputs(t=32)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
@@ -325,6 +336,6 @@ def test_sharded_gradients_on_an_expert_mesh_equal_dense():
     ref = grads(moe_lib.dense_experts)
     mesh = sharding.make_mesh(dict(data=2, fsdp=1, tensor=1, expert=4))
     with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
-        got = grads(moe_lib.sharded_experts)
+        got = grads(functools.partial(moe_lib.sharded_experts, kernels=kernels))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(b).max()))

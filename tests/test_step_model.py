@@ -138,6 +138,11 @@ TPU_LIKE = """HloModule tpu_like, entry_computation_layout={()->f32[4,8]}, num_p
   ROOT %dn = f32[4,8]{1,0} custom-call(%h0, %h1, %ag2), custom_call_target="AsyncCollectiveDone"
 }
 
+%sparse_core_work (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0:S(1)} parameter(0)
+  ROOT %q = f32[2]{0:S(1)} add(%p, %p)
+}, execution_thread="sparsecore"
+
 %body (t: (s32[], f32[4,8], f32[3,4,8])) -> (s32[], f32[4,8], f32[3,4,8]) {
   %t = (s32[]{:S(1)}, f32[4,8]{1,0:S(1)}, /*index=2*/f32[3,4,8]{2,1,0}) parameter(0)
   %i = s32[]{:S(1)} get-tuple-element(%t), index=0
@@ -185,6 +190,10 @@ ENTRY %main (x: f32[2,5,3], k: f32[3,3,4], ws: f32[3,4,8], g: f32[8,8], s: f32[1
 }}
   %my_kernel.7 = f32[6,5]{1,0:S(1)} custom-call(%lhs), custom_call_target="tpu_custom_call"
   %out = f32[4,8]{1,0:S(1)} get-tuple-element(%loop), index=1
+  %pairs = f32[6,4]{1,0:S(1)} broadcast(%zero), dimensions={}
+  %space = f32[24,4]{1,0:S(1)} broadcast(%zero), dimensions={}
+  %offsets = s32[4]{0:S(1)} broadcast(%i0), dimensions={}
+  %ra = f32[24,4]{1,0:S(1)} ragged-all-to-all(%pairs, %space, %offsets, %offsets, %offsets, /*index=5*/%offsets), channel_id=9, replica_groups={{0,1,2,3}}
   ROOT %r = (f32[4,8]{1,0:S(1)}, f32[2,5,4]{2,1,0:S(1)}, f32[2,8]{1,0:S(1)}, f32[4,8]{1,0:S(1)}) tuple(%out, %conv, %rs, %done)
 }
 """  # noqa: E501  (HLO as XLA prints it, one instruction a line)
@@ -206,6 +215,8 @@ def test_tpu_forms_counted_by_hand():
     assert _collectives(acct) == [
         ("all-gather", 4 * 8 * 4, 4, ("x",), 1, 3 / 4 * 128),  # start and done: once
         ("collective-permute", 4 * 8 * 4, 2, ("x",), 3, 128),
+        # its output has room for every chip's 6 rows; what moves is the chip's own 6
+        ("ragged-all-to-all", 6 * 4 * 4, 4, ("x",), 1, 3 / 4 * 96),
         ("reduce-scatter", 2 * 8 * 4, 4, ("x",), 1, 3 * 64),  # (n-1) x the share
     ]
     assert {c.kernel: c.flops for c in acct.custom_calls} == {
@@ -229,6 +240,8 @@ def test_tpu_forms_counted_by_hand():
         # a sub-axis: 'a' of 8 as [2, 2, 2], the middle 2 grouped
         ("replica_groups=mesh['a'=8] {'a':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),
         ("replica_groups=mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'a'}", [[3, 1], [2, 0]]),
+        # device ids as iota shaped [2, 2] and transposed: 0, 2, 1, 3
+        ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'a'}", [[0, 1], [2, 3]]),
         ("source_target_pairs={{0,1},{1,2}}", [[0, 1], [1, 2]]),
     ],
 )

@@ -91,6 +91,20 @@ def test_meshes_match_single_device(mesh, moe, single_device_losses, tmp_path):
 
 
 @pytest.mark.full
+def test_expert_parallel_all_to_all_trains_as_the_gather(tmp_path):
+    """Tokens sent only to their experts' shards (all-to-all) or gathered to every shard:
+    the same pairs through the same experts, so the same losses on the 8-device mesh."""
+    runs = {}
+    for exchange in ("xla", "all_to_all"):
+        c = tiny_config()
+        c.mesh.update(data=2, fsdp=1, tensor=1, expert=4)
+        c.moe_impl = "sharded"
+        c.kernels.expert_parallel = exchange
+        runs[exchange] = losses_of(train_lib.train(c, str(tmp_path / exchange)))
+    np.testing.assert_allclose(runs["all_to_all"], runs["xla"], rtol=1e-6)
+
+
+@pytest.mark.full
 def test_gradient_accumulation_equals_a_bigger_batch():
     """k microbatches summed then divided by the total token count is the same gradient as
     one batch. The MoE load-balancing loss is the exception (it is a product of two

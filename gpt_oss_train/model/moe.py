@@ -13,9 +13,10 @@ inside them are the kernel registry's operations (`grouped_matmul`, `gated_activ
            sort the (token, expert) pairs by expert and run grouped matmuls: FLOPs of
            the active experts only, forward and backward.
   sharded  `ragged`'s grouped matmuls inside `shard_map` with expert parallelism: each
-           device holds E/expert experts (and a slice of the hidden dim over `tensor`),
-           computes the pairs routed to its experts for the tokens of its `expert` group,
-           and the partial outputs are summed (psum over tensor, reduce-scatter over expert).
+           device holds E/expert experts (and a slice of the hidden dim over `tensor`) and
+           computes the pairs routed to its experts; the `expert_parallel` op moves tokens
+           to them and back (all-gather, or all-to-all of only the pairs each shard takes)
+           and the partial outputs are summed over tensor.
 """
 
 from __future__ import annotations
@@ -229,33 +230,19 @@ def _weight_specs(w: ExpertWeights, spec) -> ExpertWeights:
 
 
 def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn):
-    """One device's part of `sharded_experts`, inside shard_map: the pairs routed to its
-    local_e experts, for the tokens of its `expert` group, summed back over the axes."""
-    exp_axes, mlp_axes, gather_axes = axes
-    for ax in gather_axes:
-        x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
-    t, k = idx.shape
-    flat = idx.reshape(-1) - sharding.axes_index(exp_axes) * local_e
-    mine = (flat >= 0) & (flat < local_e)
-    key = jnp.where(mine, flat, local_e)  # not-mine rows sort to the end
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
-    y = _grouped_ffn(kernels, x[order // k], key[order], group_sizes, lw, add_out_bias=False,
-                     **ffn)  # fmt: skip
+    """One device's part of `sharded_experts`, inside shard_map: its tokens through the
+    experts they chose, wherever those live (the `expert_parallel` op moves them)."""
+    exp_axes, mlp_axes, token_axes = axes
     # The output bias is added by one tensor shard only, so the psum adds it once.
     add_bias = sharding.axes_index(mlp_axes) == 0
-    bias = lw.bo.astype(jnp.float32)[jnp.clip(key[order], 0, local_e - 1)]
-    y = jnp.where(mine[order][:, None], y + jnp.where(add_bias, bias, 0.0), 0.0)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)
-    out = jnp.einsum("tk,tkd->td", wts, y)
-    if mlp_axes:
-        out = jax.lax.psum(out, mlp_axes)
-    for ax in reversed(gather_axes):
-        out = jax.lax.psum_scatter(out, ax, scatter_dimension=0, tiled=True)
-    others = tuple(a for a in exp_axes if a not in gather_axes)
-    if others:  # experts sharded over an axis that does not shard tokens
-        out = jax.lax.psum(out, others)
-    return out
+
+    def experts(rows, key, group_sizes):
+        y = _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
+        bias = lw.bo.astype(jnp.float32)[jnp.clip(key, 0, local_e - 1)]
+        return jnp.where((key < local_e)[:, None], y + jnp.where(add_bias, bias, 0.0), 0.0)
+
+    return kernels.expert_parallel(experts, x, wts, idx, local_e=local_e, expert_axes=exp_axes,
+                                   token_axes=token_axes, mlp_axes=mlp_axes)  # fmt: skip
 
 
 def sharded_experts(
@@ -274,9 +261,9 @@ def sharded_experts(
     tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)
     exp_spec = spec("exp", None, "mlp")
     exp_axes, mlp_axes = sharding.spec_axes(exp_spec[0]), sharding.spec_axes(exp_spec[2])
-    # Tokens are gathered over the axes that shard experts (each device then sees every
-    # token its experts may receive) and stay sharded over the rest of the batch axes.
-    gather_axes = tuple(a for a in sharding.spec_axes(tok[0]) if a in exp_axes)
+    # The batch axes that also shard experts: tokens move between these devices to reach
+    # their experts, and stay sharded over the rest of the batch axes.
+    token_axes = tuple(a for a in sharding.spec_axes(tok[0]) if a in exp_axes)
     num_experts = w.wi_gate.shape[0]
     n_exp_shards = math.prod(mesh.shape[a] for a in exp_axes)
     if num_experts % n_exp_shards:
@@ -289,7 +276,7 @@ def sharded_experts(
             "several adapters in one batch need moe_impl 'ragged' or 'dense' (not 'sharded')"
         )
     local = lambda x, wts, idx, lw: _local_experts(
-        kernels, x, wts, idx, lw, axes=(exp_axes, mlp_axes, gather_axes),
+        kernels, x, wts, idx, lw, axes=(exp_axes, mlp_axes, token_axes),
         local_e=num_experts // n_exp_shards, ffn=ffn,
     )  # fmt: skip
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, _weight_specs(w, spec)),

@@ -232,7 +232,10 @@ def _finish(info: dict, compiled, mesh) -> dict:
     if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
         cost = cost[0] if cost else {}
     info["compiled_flops_per_device"] = (cost or {}).get("flops")
-    info.update(_step_model(info, compiled, mesh))
+    try:
+        info.update(_step_model(info, compiled, mesh))
+    except Exception as e:  # a form of HLO the reader does not know: keep the memory figures
+        info["step_model_error"] = f"{type(e).__name__}: {e}"
     return info
 
 
@@ -464,6 +467,8 @@ def report(r: dict) -> str:
     lines = _setup_lines(r) + _compiled_lines(r)
     if r.get("step_model"):
         lines += _step_lines(r)
+    elif r.get("step_model_error"):
+        lines.append(f"step model  could not read the program: {r['step_model_error']}")
     if r.get("top_arguments"):
         lines.append("largest arguments per device (state, frozen base):")
         lines += ["  " + row for row in r["top_arguments"]]

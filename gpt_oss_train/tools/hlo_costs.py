@@ -396,7 +396,7 @@ def link_bytes(kind: str, result_bytes: float, n: int) -> float:
         "all-gather": (n - 1) / n,  # of the gathered result
         "reduce-scatter": n - 1,  # the result is one chip's 1/n share
         "all-to-all": (n - 1) / n,
-        "ragged-all-to-all": (n - 1) / n,  # of the output buffer: an upper bound
+        "ragged-all-to-all": (n - 1) / n,  # of what moves (collective()), evenly spread
         "collective-permute": 1.0,
         "collective-broadcast": (n - 1) / n,
     }.get(kind, 1.0)  # another cross-slice transfer: its bytes cross once
@@ -479,6 +479,11 @@ def collective(module, comp, inst, mesh: MeshSpec | None, runs: float) -> Collec
     kind, holder = found
     groups = replica_groups(holder.attrs, module.num_devices)
     size = nbytes(_result_shape(comp, inst))
+    if kind == "ragged-all-to-all" and holder.operands[0] in comp.insts:
+        # Its buffers are sized for the worst case; what moves depends on the routing: at
+        # most the rows of the smaller of operand and output (the chip's pairs going out,
+        # or coming back), counted as that, spread evenly over the group.
+        size = min(size, nbytes(comp.insts[holder.operands[0]].shape))
     n = max(len(g) for g in groups)
     axes = mesh_axes(groups, mesh) if mesh else None
     dcn = bool(mesh and mesh.slice_ids) and any(

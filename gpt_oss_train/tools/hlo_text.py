@@ -74,7 +74,8 @@ def _computation(name: str, lines: list[str]) -> Computation:
 
 def parse(text: str) -> Module:
     """The computations of an HLO module's text. An instruction may run over several lines
-    (a kernel's metadata string does); a computation ends at a line holding only '}'."""
+    (a kernel's metadata string does); a computation ends at a line holding only '}', or
+    '}, execution_thread="..."' (work offloaded to v5p's SparseCores)."""
     comps, entry, current, lines = {}, None, None, []
     for line in text.splitlines():
         if current is None:
@@ -82,7 +83,7 @@ def parse(text: str) -> Module:
             if m:
                 current, lines = m.group(2), []
                 entry = current if m.group(1) else entry
-        elif line == "}":
+        elif line == "}" or line.startswith("}, execution_thread="):
             comps[current] = _computation(current, lines)
             current = None
         elif _INST.match(line):
@@ -180,10 +181,11 @@ def _mesh_groups(text: str) -> list[list[int]]:
     if "device_ids=(" in text:
         start = text.index("device_ids=(") + len("device_ids=")
         inner = text[start + 1 : _closing(text, start)]
-        iota = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", inner)
+        # iota `[dims]<=[reshape]T(perm)`, or `[dims]T(perm)` (iota shaped dims itself)
+        iota = re.match(r"\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?\)?$", inner)
         nums = lambda s: [int(x) for x in s.split(",")] if s else None
         ids = (
-            _iota([n], nums(iota.group(2)), nums(iota.group(3))).ravel()
+            _iota([n], nums(iota.group(2) or iota.group(1)), nums(iota.group(3))).ravel()
             if iota
             else np.array([int(x) for x in re.findall(r"\d+", inner)][-n:])  # the ids, last
         )

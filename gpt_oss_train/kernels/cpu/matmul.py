@@ -23,7 +23,7 @@ def _rows(x, w):
 def unavailable(platform: str = "cpu") -> str | None:
     """Usable if either kernel is (each checks its own operands)."""
     reasons = [rows_matmul.unavailable(), grouped_matmul.unavailable()]
-    return None if None in reasons else "; ".join(reasons)
+    return None if None in reasons else "; ".join(dict.fromkeys(reasons))  # each reason once
 
 
 def _few_rows(x, w, dtype) -> bool:

@@ -15,6 +15,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -196,9 +197,10 @@ def platform(mesh: Mesh | None = None) -> str:
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Pins an activation's sharding by logical names (a no-op without an active mesh)."""
+    """Pins an activation's sharding by logical names (a no-op without an active mesh, and
+    inside shard_map, where each device holds its own block)."""
     ctx = _ACTIVE.get()
-    if ctx is None:
+    if ctx is None or jax.sharding.get_abstract_mesh().manual_axes:
         return x
     mesh, rules = ctx
     spec = logical_to_spec(names, rules)
@@ -280,3 +282,25 @@ def axes_index(axes: tuple[str, ...]):
     for ax in axes:
         idx = idx * jax.lax.axis_size(ax) + jax.lax.axis_index(ax)
     return idx
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_weight(x, axes: tuple[str, ...], axis: int, dtype):
+    """A weight's shards over `axes` joined along `axis` in the compute `dtype` (inside
+    shard_map: FSDP's gather, at the compute dtype's bytes). Its gradient comes back
+    reduce-scattered over `axes` in x's dtype: each device gets the sum for its own shard,
+    half the bytes of the all-reduce shard_map's transpose of an unsplit weight makes."""
+    y = x.astype(dtype)
+    return jax.lax.all_gather(y, axes, axis=axis, tiled=True) if axes else y
+
+
+def _gather_weight_fwd(x, axes, axis, dtype):
+    return gather_weight(x, axes, axis, dtype), jnp.zeros((), x.dtype)
+
+
+def _gather_weight_bwd(axes, axis, dtype, like, g):
+    g = g.astype(like.dtype)
+    return (jax.lax.psum_scatter(g, axes, scatter_dimension=axis, tiled=True) if axes else g,)
+
+
+gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)

@@ -27,6 +27,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# A crash in native code (a subprocess under test included) prints every thread's Python
+# stack to stderr, which the tests show when a command fails.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # A developer's serving key would make every test server ask for it.
 os.environ.pop("GPT_OSS_TRAIN_API_KEY", None)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

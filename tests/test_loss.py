@@ -61,6 +61,7 @@ RULES = config_lib.DEFAULT_RULES
         dict(data=1, fsdp=8, tensor=1, expert=1),  # unembedding gathered over fsdp
         dict(data=2, fsdp=2, tensor=2, expert=1),  # and its vocabulary split over tensor
         dict(data=2, fsdp=1, tensor=1, expert=4),
+        dict(data=1, fsdp=4, tensor=1, expert=2),  # the TPU configs' shape: rows per device
     ],
 )
 def test_loss_and_gradients_on_a_mesh_equal_no_mesh(sizes):

@@ -334,8 +334,13 @@ def test_sharded_gradients_on_an_expert_mesh_equal_dense(exchange):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(f32(x), weights, ew)
 
     ref = grads(moe_lib.dense_experts)
-    mesh = sharding.make_mesh(dict(data=2, fsdp=1, tensor=1, expert=4))
-    with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
-        got = grads(functools.partial(moe_lib.sharded_experts, kernels=kernels))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(b).max()))
+    # The second mesh splits the experts' model dimension over fsdp: gathered inside,
+    # their gradients reduce-scattered back (sharding.gather_weight).
+    for sizes in (dict(data=2, fsdp=1, tensor=1, expert=4), dict(fsdp=2, tensor=2, expert=2)):
+        mesh = sharding.make_mesh(dict(dict(data=1), **sizes))
+        with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
+            got = grads(functools.partial(moe_lib.sharded_experts, kernels=kernels))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(
+                a, b, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(b).max()), err_msg=str(sizes)
+            )

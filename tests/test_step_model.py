@@ -224,6 +224,12 @@ def test_tpu_forms_counted_by_hand():
         "my_kernel": None,
     }
     assert any("not costed" in n and "my_kernel" in n for n in acct.notes), acct.notes
+    # Expert parallelism's buffers hold data in 1/4 of their rows: the kernel's FLOPs are
+    # counted for those (its bytes are not changed), and a note says so.
+    quarter = step_model.account(TPU_LIKE, hlo_text.MeshSpec(("x",), (4,)), ragged_rows=0.25)
+    assert quarter.custom_call_flops == ragged / 4
+    assert quarter.flops == conv + dot + ragged / 4 and quarter.hbm_bytes == acct.hbm_bytes
+    assert any("ragged dots" in n for n in quarter.notes), quarter.notes
 
 
 @pytest.mark.parametrize(

@@ -189,12 +189,15 @@ def test_stop_then_resume_reproduces_the_uninterrupted_run(tmp_path, sig, after)
         time.sleep(0.05)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    stopped = ckpt_lib.find_step_dir(str(cut))[1]
+    # The exit status first, with the run's log: how it ended says more than what it left.
+    assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), err[-4000:]
+    found = ckpt_lib.find_step_dir(str(cut))
+    assert found is not None, err[-4000:]
+    stopped = found[1]
     if sig == signal.SIGTERM:
-        assert proc.returncode == 0, err[-2000:]
         assert after <= stopped < 12 and "Preempted" in err
     else:
-        assert proc.returncode == -signal.SIGKILL and stopped in (4, 8), stopped
+        assert stopped in (4, 8), stopped
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     want, got = _losses(full), _losses(cut)

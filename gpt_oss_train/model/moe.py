@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train import config, sharding
 from gpt_oss_train.arrays.layer_views import whole
@@ -229,10 +230,36 @@ def _weight_specs(w: ExpertWeights, spec) -> ExpertWeights:
     )
 
 
-def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn):
+# Where each expert matrix has its model dimension (`embed`, FSDP-sharded in storage).
+_EMBED_DIM = {"wi_gate": 1, "wi_up": 1, "wo": 2}
+
+
+def _fsdp_gathers(w: ExpertWeights, spec, mesh, taken: tuple[str, ...]) -> dict:
+    """name -> the mesh axes its stored `embed` dimension is split over (and not already
+    used by experts or mlp), for the plain (not packed) expert matrices: shard_map takes
+    them so split and gathers them inside, so their gradients come back reduce-scattered."""
+    out = {}
+    for name, dim in _EMBED_DIM.items():
+        weight = getattr(w, name)
+        if hasattr(weight, "partition_spec"):  # an MXFP4 base: frozen, no gradient
+            continue
+        names = ["exp", "mlp", "mlp"]
+        names[dim] = "embed"
+        stored = sharding.fit_spec(spec(*names), weight.shape, mesh)[dim]
+        axes = tuple(a for a in sharding.spec_axes(stored) if a not in taken)
+        if axes:
+            out[name] = axes
+    return out
+
+
+def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers):
     """One device's part of `sharded_experts`, inside shard_map: its tokens through the
     experts they chose, wherever those live (the `expert_parallel` op moves them)."""
     exp_axes, mlp_axes, token_axes = axes
+    lw = lw._replace(**{
+        n: sharding.gather_weight(getattr(lw, n), ax, _EMBED_DIM[n], ffn["dtype"])
+        for n, ax in gathers.items()
+    })  # fmt: skip
     # The output bias is added by one tensor shard only, so the psum adds it once.
     add_bias = sharding.axes_index(mlp_axes) == 0
 
@@ -275,11 +302,17 @@ def sharded_experts(
         raise ValueError(
             "several adapters in one batch need moe_impl 'ragged' or 'dense' (not 'sharded')"
         )
+    gathers = _fsdp_gathers(w, spec, mesh, exp_axes + mlp_axes)
+    w_specs = _weight_specs(w, spec)
+    for name, ax in gathers.items():
+        entries = list(getattr(w_specs, name))
+        entries[_EMBED_DIM[name]] = ax[0] if len(ax) == 1 else ax
+        w_specs = w_specs._replace(**{name: P(*entries)})
     local = lambda x, wts, idx, lw: _local_experts(
         kernels, x, wts, idx, lw, axes=(exp_axes, mlp_axes, token_axes),
-        local_e=num_experts // n_exp_shards, ffn=ffn,
+        local_e=num_experts // n_exp_shards, ffn=ffn, gathers=gathers,
     )  # fmt: skip
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, _weight_specs(w, spec)),
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs),
                        out_specs=tok, check_vma=False)  # fmt: skip
     return fn(x_td, weights_tk, idx_tk, w)
 

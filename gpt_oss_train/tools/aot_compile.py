@@ -185,6 +185,10 @@ def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
     t0 = time.perf_counter()
     setup, lowered = lower_train_step(config, devices)
     info = _state_figures(setup, devices)
+    # Expert parallelism sizes its grouped rows for the worst routing (every pair on one
+    # shard): a ragged dot's rows hold data 1/expert of the time when routing is balanced.
+    expert_shards = dict(setup.mesh.shape).get("expert", 1)
+    info["ragged_rows"] = 1.0 / expert_shards if config.moe_impl == "sharded" else 1.0
     info["top_arguments"] = [
         f"{b / 2**20:10.1f}MiB  {what}" for b, what in largest_arguments(setup, 6)
     ]
@@ -246,7 +250,9 @@ def _step_model(info: dict, compiled, mesh) -> dict:
     from gpt_oss_train import hardware
     from gpt_oss_train.tools import hlo_text, step_model
 
-    acct = step_model.account(compiled.as_text(), hlo_text.MeshSpec.from_jax(mesh))
+    acct = step_model.account(
+        compiled.as_text(), hlo_text.MeshSpec.from_jax(mesh), ragged_rows=info["ragged_rows"]
+    )
     return {
         "step_model": step_model.summary(acct),
         "estimate": step_model.estimate(

@@ -256,6 +256,7 @@ def _ragged_dot_kernel_flops(comp: Computation, inst: Inst) -> float | None:
 # without its .N suffix, else the call's target): (computation, instruction) -> FLOPs,
 # or None when the shapes are not the form the hook knows.
 CUSTOM_CALL_FLOPS = {"ragged-dot-none": _ragged_dot_kernel_flops}
+RAGGED_KERNELS = {"ragged-dot-none"}  # kernels whose rows are grouped (step_model's ragged_rows)
 
 # XLA's own bookkeeping custom calls: no kernel, no traffic of their own.
 XLA_MARKERS = {

@@ -65,15 +65,22 @@ class StepAccount:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def _custom_call(comp: Computation, inst: Inst, runs: float) -> CustomCall:
+def _custom_call(comp: Computation, inst: Inst, runs: float, ragged_rows: float) -> CustomCall:
     name = hlo_costs.kernel_name(inst)
     hook = hlo_costs.CUSTOM_CALL_FLOPS.get(name)
     operands = sum(nbytes(comp.insts[o].shape) for o in inst.operands)
-    return CustomCall(name, operands, nbytes(inst.shape), runs, hook(comp, inst) if hook else None)
+    flops = hook(comp, inst) if hook else None
+    if flops is not None and name in hlo_costs.RAGGED_KERNELS:
+        flops *= ragged_rows
+    return CustomCall(name, operands, nbytes(inst.shape), runs, flops)
 
 
-def account(hlo: str | Module, mesh: MeshSpec | None = None) -> StepAccount:
-    """What one step of the program does per chip (module docstring)."""
+def account(
+    hlo: str | Module, mesh: MeshSpec | None = None, ragged_rows: float = 1.0
+) -> StepAccount:
+    """What one step of the program does per chip (module docstring). `ragged_rows`: the
+    share of a ragged dot's rows that hold data (its FLOPs are counted for those only):
+    buffers sized for the worst routing hold 1/expert-shards of their rows on average."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     runs, fused, loops, notes = hlo_costs.runs_of(module)
     acct = StepAccount(loops=loops, notes=notes)
@@ -81,11 +88,12 @@ def account(hlo: str | Module, mesh: MeshSpec | None = None) -> StepAccount:
         comp = module.computations[name]
         for inst in comp.insts.values():
             if inst.opcode in ("dot", "ragged-dot"):
-                acct.flops += times * hlo_costs.dot_flops(comp, inst)
+                share = ragged_rows if inst.opcode == "ragged-dot" else 1.0
+                acct.flops += times * share * hlo_costs.dot_flops(comp, inst)
             elif inst.opcode == "convolution":
                 acct.flops += times * hlo_costs.conv_flops(comp, inst)
             elif inst.opcode == "custom-call" and not hlo_costs.is_xla_marker(inst):
-                call = _custom_call(comp, inst, times)
+                call = _custom_call(comp, inst, times, ragged_rows)
                 acct.custom_calls.append(call)
                 acct.custom_call_flops += times * (call.flops or 0.0)
             if name not in fused:
@@ -94,6 +102,11 @@ def account(hlo: str | Module, mesh: MeshSpec | None = None) -> StepAccount:
             if coll:
                 acct.collectives.append(coll)
     acct.flops += acct.custom_call_flops
+    if ragged_rows != 1.0:
+        notes.append(
+            f"ragged dots: FLOPs of {ragged_rows:.3g} of their rows (buffers sized for the "
+            "worst routing, balanced routing assumed); their bytes count every row"
+        )
     uncosted = {c.kernel for c in acct.custom_calls if c.flops is None}
     if uncosted:
         notes.append(f"custom calls not costed (no FLOPs counted): {', '.join(sorted(uncosted))}")

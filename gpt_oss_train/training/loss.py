@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from gpt_oss_train import sharding
 from gpt_oss_train.kernels import AUTO_KERNELS, Kernels
 
 
@@ -20,7 +22,51 @@ def token_logprobs(
     hidden_bsd, unembed_dv, targets_bs, *, chunk: int, dtype, kernels: Kernels = AUTO_KERNELS
 ):
     """log p(target | prefix) and log-sum-exp for every position, both [b, s] float32;
-    each chunk is the kernel registry's `cross_entropy` operation."""
+    each chunk is the kernel registry's `cross_entropy` operation.
+
+    On a mesh whose rules split the unembedding's model dimension (FSDP) but not its
+    vocabulary, each device runs its own rows under shard_map with the unembedding
+    gathered once for all chunks, and its gradient summed once (a reduce-scatter):
+    left to the partitioner, both happen once per chunk (an all-gather and an
+    all-reduce of the whole [d, vocab] matrix each)."""
+    plan = _per_device_plan(hidden_bsd.shape, unembed_dv.shape)
+    if plan is None:
+        return _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels)
+    mesh, rows, embed_axes = plan
+
+    def local(h, w, t):
+        w = sharding.gather_weight(w, embed_axes, 0, dtype)
+        return _token_logprobs(h, w, t, chunk, dtype, kernels)
+
+    w_spec = P(embed_axes[0] if len(embed_axes) == 1 else embed_axes, None)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(rows), w_spec, P(rows)),
+                       out_specs=(P(rows), P(rows)), check_vma=False)  # fmt: skip
+    return fn(hidden_bsd, unembed_dv, targets_bs)
+
+
+def _per_device_plan(hidden_shape, unembed_shape):
+    """(mesh, the batch's mesh axes, the unembedding's model-dimension axes) when the
+    loss can run per device (token_logprobs' docstring), else None."""
+    ctx = sharding.active()
+    if ctx is None:
+        return None
+    mesh, rules = ctx
+    rows = sharding.fit_spec(sharding.logical_to_spec(("batch",), rules), hidden_shape, mesh)[0]
+    w_spec = sharding.fit_spec(sharding.logical_to_spec(("embed", "vocab"), rules),
+                               unembed_shape, mesh)  # fmt: skip
+    split_over = lambda entry: tuple(a for a in sharding.spec_axes(entry) if mesh.shape[a] > 1)
+    embed_axes = split_over(w_spec[0])
+    if not embed_axes or split_over(w_spec[1]):
+        return None
+    # Every device must hold rows of its own: a device repeating another's would add its
+    # gradient twice (shard_map sums the unembedding's over the axes it is not split on).
+    split = set(sharding.spec_axes(rows)) | set(embed_axes)
+    if any(size > 1 and ax not in split for ax, size in mesh.shape.items()):
+        return None
+    return mesh, rows, embed_axes
+
+
+def _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels):
     b, s, d = hidden_bsd.shape
     chunk = min(chunk, s)
     pad = (-s) % chunk

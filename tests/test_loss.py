@@ -44,9 +44,10 @@ def test_token_logprobs_match_float64_log_softmax(kernels):
     np.testing.assert_allclose(logp, ref_logp, rtol=1e-5, atol=1e-5)
 
 
-def _loss_and_grads(h, w, t, m):
+def _loss_and_grads(h, w, t, m, gather_once=False):
     def f(h, w):
-        nll, z, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=5, dtype=jnp.float32)
+        nll, z, n = loss_lib.lm_loss_sums(h, w, t, m, chunk=5, dtype=jnp.float32,
+                                          gather_once=gather_once)  # fmt: skip
         return nll / n + 1e-2 * z / n
 
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(h, w)
@@ -61,10 +62,11 @@ RULES = config_lib.DEFAULT_RULES
         dict(data=1, fsdp=8, tensor=1, expert=1),  # unembedding gathered over fsdp
         dict(data=2, fsdp=2, tensor=2, expert=1),  # and its vocabulary split over tensor
         dict(data=2, fsdp=1, tensor=1, expert=4),
-        dict(data=1, fsdp=4, tensor=1, expert=2),  # the TPU configs' shape: rows per device
+        dict(data=1, fsdp=4, tensor=1, expert=2),  # the TPU configs' shape
     ],
 )
-def test_loss_and_gradients_on_a_mesh_equal_no_mesh(sizes):
+@pytest.mark.parametrize("gather_once", [False, True])  # True: rows per device, shard_map
+def test_loss_and_gradients_on_a_mesh_equal_no_mesh(sizes, gather_once):
     rules = RULES
     h, w, t, m = (jnp.asarray(a) for a in _inputs(1))
     ref_loss, (ref_dh, ref_dw) = _loss_and_grads(h, w, t, m)
@@ -78,6 +80,7 @@ def test_loss_and_gradients_on_a_mesh_equal_no_mesh(sizes):
             put(w, ("embed", "vocab")),
             put(t, ("batch", None)),
             put(m, ("batch", None)),
+            gather_once,
         )
     # float32, sums over 8 devices in another order: agreement to a few ulps
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)

@@ -105,6 +105,19 @@ def test_expert_parallel_all_to_all_trains_as_the_gather(tmp_path):
 
 
 @pytest.mark.full
+def test_loss_gathering_the_unembedding_once_trains_as_per_chunk(single_device_losses, tmp_path):
+    """train.loss_gather_once: the loss's rows per device under shard_map, the unembedding
+    gathered once and its gradient reduce-scattered once; the same losses as one device
+    (float32 sums in another order: within the mesh tests' 1e-5)."""
+    c = tiny_config()
+    c.mesh.update(data=1, fsdp=4, tensor=1, expert=2)
+    c.moe_impl = "sharded"
+    c.train.loss_gather_once = True
+    got = losses_of(train_lib.train(c, str(tmp_path)))
+    np.testing.assert_allclose(got, single_device_losses, rtol=1e-5)
+
+
+@pytest.mark.full
 def test_gradient_accumulation_equals_a_bigger_batch():
     """k microbatches summed then divided by the total token count is the same gradient as
     one batch. The MoE load-balancing loss is the exception (it is a product of two

@@ -19,17 +19,25 @@ from gpt_oss_train.kernels import AUTO_KERNELS, Kernels
 
 
 def token_logprobs(
-    hidden_bsd, unembed_dv, targets_bs, *, chunk: int, dtype, kernels: Kernels = AUTO_KERNELS
+    hidden_bsd,
+    unembed_dv,
+    targets_bs,
+    *,
+    chunk: int,
+    dtype,
+    kernels: Kernels = AUTO_KERNELS,
+    gather_once: bool = False,
 ):
     """log p(target | prefix) and log-sum-exp for every position, both [b, s] float32;
     each chunk is the kernel registry's `cross_entropy` operation.
 
-    On a mesh whose rules split the unembedding's model dimension (FSDP) but not its
-    vocabulary, each device runs its own rows under shard_map with the unembedding
-    gathered once for all chunks, and its gradient summed once (a reduce-scatter):
-    left to the partitioner, both happen once per chunk (an all-gather and an
-    all-reduce of the whole [d, vocab] matrix each)."""
-    plan = _per_device_plan(hidden_bsd.shape, unembed_dv.shape)
+    `gather_once` (config.train.loss_gather_once), on a mesh whose rules split the
+    unembedding's model dimension (FSDP) but not its vocabulary: each device runs its own
+    rows under shard_map with the unembedding gathered once for all chunks, and its
+    gradient summed once (a reduce-scatter); left to the partitioner, both happen once
+    per chunk (an all-gather and an all-reduce of the whole [d, vocab] matrix each), and
+    the gathered matrix and its gradient are never held for the whole loss."""
+    plan = _per_device_plan(hidden_bsd.shape, unembed_dv.shape) if gather_once else None
     if plan is None:
         return _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels)
     mesh, rows, embed_axes = plan
@@ -93,14 +101,28 @@ def _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels):
 
 
 def lm_loss_sums(
-    hidden_bsd, unembed_dv, targets_bs, mask_bs, *, chunk: int, dtype, kernels=AUTO_KERNELS
+    hidden_bsd,
+    unembed_dv,
+    targets_bs,
+    mask_bs,
+    *,
+    chunk: int,
+    dtype,
+    kernels=AUTO_KERNELS,
+    gather_once: bool = False,
 ):
     """Sums over masked tokens: (negative log-likelihood, z-loss term lse^2, token count).
 
     Sums, not means, so microbatches of a gradient-accumulation step add up to exactly the
     loss of the whole batch once divided by the total count."""
     logp, lse = token_logprobs(
-        hidden_bsd, unembed_dv, targets_bs, chunk=chunk, dtype=dtype, kernels=kernels
+        hidden_bsd,
+        unembed_dv,
+        targets_bs,
+        chunk=chunk,
+        dtype=dtype,
+        kernels=kernels,
+        gather_once=gather_once,
     )
     m = mask_bs.astype(jnp.float32)
     return -jnp.sum(logp * m), jnp.sum(jnp.square(lse) * m), jnp.sum(m)

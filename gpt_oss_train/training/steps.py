@@ -82,6 +82,7 @@ def make_loss_fn(model_def: ModelDef, t):
             chunk=t.loss_chunk_size,
             dtype=dtype,
             kernels=model_def.cfg.kernels,
+            gather_once=t.loss_gather_once,
         )
         # The aux and z terms are scaled by the token count so that, like the NLL, they are
         # per-token means once the summed objective is divided by the total count.

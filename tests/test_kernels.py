@@ -84,7 +84,7 @@ def test_a_kernel_of_another_platform_is_a_config_error():
 
 def test_auto_takes_each_platforms_measured_default():
     pick = lambda op, platform: Kernels().impl(op, platform).name
-    assert pick("grouped_matmul", "tpu") == "ragged_dot"
+    assert pick("grouped_matmul", "tpu") == "megablox"
     assert pick("grouped_matmul", "gpu") == "mosaic_gpu"
     assert pick("attention", "tpu") == "splash"
     # The Pallas GPU kernels are selectable, not yet defaults: never measured on a GPU.

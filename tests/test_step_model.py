@@ -189,6 +189,9 @@ ENTRY %main (x: f32[2,5,3], k: f32[3,3,4], ws: f32[3,4,8], g: f32[8,8], s: f32[1
 "xprof_metadata":"{}"
 }}
   %my_kernel.7 = f32[6,5]{1,0:S(1)} custom-call(%lhs), custom_call_target="tpu_custom_call"
+  %dy = f32[6,5]{1,0:S(1)} broadcast(%zero), dimensions={}
+  %gmm.3 = f32[6,5]{1,0:S(1)} custom-call(%i0, %lhs, %rhs), custom_call_target="tpu_custom_call"
+  %tgmm.1 = f32[2,4,5]{2,1,0:S(1)} custom-call(%i0, %lhs, %dy), custom_call_target="tpu_custom_call"
   %out = f32[4,8]{1,0:S(1)} get-tuple-element(%loop), index=1
   %pairs = f32[6,4]{1,0:S(1)} broadcast(%zero), dimensions={}
   %space = f32[24,4]{1,0:S(1)} broadcast(%zero), dimensions={}
@@ -207,6 +210,9 @@ def test_tpu_forms_counted_by_hand():
     conv = 2 * 2 * 4 * 3 * 13
     dot = 3 * 2 * 4 * 4 * 8  # 3 trips of [4, 8] x [4, 8]^T
     ragged = 2 * 6 * 4 * 5  # each of 6 rows meets one [4, 5] group
+    # megablox: gmm as the ragged dot; tgmm's weight gradient [2, 4, 5] from 6 rows, each
+    # in one group (its lhs passed [m, k])
+    ragged *= 3
     assert acct.custom_call_flops == ragged
     assert acct.flops == conv + dot + ragged
     # HBM: only arrays outside S(1). The loop reads one [4, 8] f32 layer of the stack a
@@ -220,8 +226,10 @@ def test_tpu_forms_counted_by_hand():
         ("reduce-scatter", 2 * 8 * 4, 4, ("x",), 1, 3 * 64),  # (n-1) x the share
     ]
     assert {c.kernel: c.flops for c in acct.custom_calls} == {
-        "ragged-dot-none": ragged,
+        "ragged-dot-none": ragged / 3,
         "my_kernel": None,
+        "gmm": ragged / 3,
+        "tgmm": ragged / 3,
     }
     assert any("not costed" in n and "my_kernel" in n for n in acct.notes), acct.notes
     # Expert parallelism's buffers hold data in 1/4 of their rows: the kernel's FLOPs are

@@ -252,11 +252,46 @@ def _ragged_dot_kernel_flops(comp: Computation, inst: Inst) -> float | None:
     return None
 
 
+def _megablox_gmm_flops(comp: Computation, inst: Inst) -> float | None:
+    """megablox's gmm, lhs [m, k] x rhs [groups, k, n] (or [groups, n, k]) -> [m, n]: each
+    row meets one group, 2 m k n (its other operands are the groups' metadata)."""
+    out = dims(inst.shape)
+    shapes = [dims(comp.insts[o].shape) for o in inst.operands]
+    lhs = [s for s in shapes if len(s) == 2 and s[0] == out[0]]
+    rhs = [s for s in shapes if len(s) == 3 and out[-1] in s[1:]]
+    if len(out) == 2 and lhs and rhs:
+        return 2.0 * out[0] * lhs[0][1] * out[1]
+    return None
+
+
+def _megablox_tgmm_flops(comp: Computation, inst: Inst) -> float | None:
+    """megablox's tgmm, lhs [k, m] (libtpu passes it [m, k]) and rhs [m, n] -> [groups,
+    k, n]: each of the m rows in one group, 2 k m n."""
+    out = dims(inst.shape)
+    if len(out) != 3:
+        return None
+    _, k, n = out
+    pairs = [dims(comp.insts[o].shape) for o in inst.operands]
+    pairs = [s for s in pairs if len(s) == 2]
+    for lhs in pairs:
+        if k not in lhs:
+            continue
+        m = lhs[1] if lhs[0] == k else lhs[0]
+        if any(rhs == (m, n) for rhs in pairs if rhs is not lhs):
+            return 2.0 * k * m * n
+    return None
+
+
 # Costing hooks for custom calls, by kernel name (a TPU custom call's instruction name
 # without its .N suffix, else the call's target): (computation, instruction) -> FLOPs,
 # or None when the shapes are not the form the hook knows.
-CUSTOM_CALL_FLOPS = {"ragged-dot-none": _ragged_dot_kernel_flops}
-RAGGED_KERNELS = {"ragged-dot-none"}  # kernels whose rows are grouped (step_model's ragged_rows)
+CUSTOM_CALL_FLOPS = {
+    "ragged-dot-none": _ragged_dot_kernel_flops,
+    "gmm": _megablox_gmm_flops,
+    "tgmm": _megablox_tgmm_flops,
+}
+# Kernels whose rows are grouped by expert (step_model's ragged_rows)
+RAGGED_KERNELS = {"ragged-dot-none", "gmm", "tgmm"}
 
 # XLA's own bookkeeping custom calls: no kernel, no traffic of their own.
 XLA_MARKERS = {

@@ -6,13 +6,12 @@ ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequen
 4096 tokens per chip, full remat, splash attention, expert-parallel MoE.
 
 Checked from a CPU with the compiler the pod runs (libtpu 0.0.42.1, jax 0.10.2's pin;
-the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-26:
+the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-28:
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e.py --topology=v5e:16x16
-  -> state 1.31 GiB, temporaries 12.90 GiB, total 14.47 GiB of 16 GiB per chip: fits.
+  -> arguments 1.31 GiB, temporaries 12.20 GiB, total 13.76 GiB of 16 GiB per chip: fits;
+     the step model's estimate 3.0 s a step, 1,363 tokens/s a chip (docs/AOT.md).
 With expert=8 the same step needed 21.8 GiB (17.1 GiB with libtpu 0.0.52).
-Pass `:gpt-oss-120b` for the 120b shape: it fits v5p:8x8x8 (512 chips) at 49 GiB of
-95 with --config.mesh.expert=16 --config.train.global_batch_size=512 (measured with
-kernels.attention=blockwise and libtpu 0.0.52).
+`:gpt-oss-120b` gives the 120b shape; configs/tpu_v5p.py runs it on v5p:8x8x8.
 """
 
 from gpt_oss_train.config import PRESETS, default_config

@@ -200,7 +200,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pins an activation's sharding by logical names (a no-op without an active mesh, and
     inside shard_map, where each device holds its own block)."""
     ctx = _ACTIVE.get()
-    if ctx is None or jax.sharding.get_abstract_mesh().manual_axes:
+    if ctx is None or inside_shard_map():
         return x
     mesh, rules = ctx
     spec = logical_to_spec(names, rules)
@@ -220,7 +220,7 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
         for ax in axes:
             if dim % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[ax]) == 0:
                 kept.append(ax)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+        out.append(spec_entry(tuple(kept)))
     return P(*out)
 
 
@@ -265,6 +265,16 @@ def initialize_distributed():
 def spec_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: tuple[str, ...]):
+    """The PartitionSpec entry of `axes` (spec_axes' inverse): None, a name, or the tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def inside_shard_map() -> bool:
+    """Whether the code is being traced inside shard_map (per device, manual axes)."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def axes_size(axes: tuple[str, ...]) -> int:

@@ -306,7 +306,7 @@ def sharded_experts(
     w_specs = _weight_specs(w, spec)
     for name, ax in gathers.items():
         entries = list(getattr(w_specs, name))
-        entries[_EMBED_DIM[name]] = ax[0] if len(ax) == 1 else ax
+        entries[_EMBED_DIM[name]] = sharding.spec_entry(ax)
         w_specs = w_specs._replace(**{name: P(*entries)})
     local = lambda x, wts, idx, lw: _local_experts(
         kernels, x, wts, idx, lw, axes=(exp_axes, mlp_axes, token_axes),

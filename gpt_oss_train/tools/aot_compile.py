@@ -187,7 +187,10 @@ def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
     info = _state_figures(setup, devices)
     # Expert parallelism sizes its grouped rows for the worst routing (every pair on one
     # shard): a ragged dot's rows hold data 1/expert of the time when routing is balanced.
-    expert_shards = dict(setup.mesh.shape).get("expert", 1)
+    from gpt_oss_train import sharding
+
+    exp_axes = sharding.spec_axes(sharding.logical_to_spec(("exp",), setup.rules)[0])
+    expert_shards = math.prod(setup.mesh.shape[a] for a in exp_axes)
     info["ragged_rows"] = 1.0 / expert_shards if config.moe_impl == "sharded" else 1.0
     info["top_arguments"] = [
         f"{b / 2**20:10.1f}MiB  {what}" for b, what in largest_arguments(setup, 6)

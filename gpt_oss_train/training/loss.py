@@ -34,9 +34,9 @@ def token_logprobs(
     `gather_once` (config.train.loss_gather_once), on a mesh whose rules split the
     unembedding's model dimension (FSDP) but not its vocabulary: each device runs its own
     rows under shard_map with the unembedding gathered once for all chunks, and its
-    gradient summed once (a reduce-scatter); left to the partitioner, both happen once
-    per chunk (an all-gather and an all-reduce of the whole [d, vocab] matrix each), and
-    the gathered matrix and its gradient are never held for the whole loss."""
+    gradient summed once (a reduce-scatter). Without it the partitioner does both once
+    per chunk (an all-gather and an all-reduce of the whole [d, vocab] matrix each), but
+    holds the gathered matrix and its gradient for one chunk only."""
     plan = _per_device_plan(hidden_bsd.shape, unembed_dv.shape) if gather_once else None
     if plan is None:
         return _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels)
@@ -46,7 +46,7 @@ def token_logprobs(
         w = sharding.gather_weight(w, embed_axes, 0, dtype)
         return _token_logprobs(h, w, t, chunk, dtype, kernels)
 
-    w_spec = P(embed_axes[0] if len(embed_axes) == 1 else embed_axes, None)
+    w_spec = P(sharding.spec_entry(embed_axes), None)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(rows), w_spec, P(rows)),
                        out_specs=(P(rows), P(rows)), check_vma=False)  # fmt: skip
     return fn(hidden_bsd, unembed_dv, targets_bs)

@@ -18,8 +18,6 @@ sorted pairs are, so no token is ever dropped.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -41,13 +39,14 @@ def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
         out = jax.lax.psum(out, mlp_axes)
     for ax in reversed(token_axes):
         out = jax.lax.psum_scatter(out, ax, scatter_dimension=0, tiled=True)
-    return _sum_over_other_expert_axes(out, expert_axes, token_axes)
+    others = tuple(a for a in expert_axes if a not in token_axes)
+    return jax.lax.psum(out, others) if others else out  # experts over a non-token axis
 
 
 def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
     """As `gather`, exchanging only the pairs each shard computes (see the docstring)."""
     t, k = idx.shape
-    n = math.prod(jax.lax.axis_size(a) for a in expert_axes)
+    n = sharding.axes_size(expert_axes)
     pairs = t * k  # the most rows one device sends to, or gets back from, another
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # by destination shard, then by its expert
@@ -73,9 +72,8 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     y = _exchange(y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes,
                   pairs)  # fmt: skip
     out = _weighted_sum(wts, y, order)
-    if mlp_axes:
-        out = jax.lax.psum(out, mlp_axes)
-    return _sum_over_other_expert_axes(out, expert_axes, token_axes)
+    # (tokens are split over every expert axis here: all_to_all_accepts)
+    return jax.lax.psum(out, mlp_axes) if mlp_axes else out
 
 
 def all_to_all_accepts(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
@@ -95,11 +93,6 @@ def _weighted_sum(wts, y_sorted, order):
     t, k = wts.shape
     y = jnp.zeros_like(y_sorted[: t * k]).at[order].set(y_sorted[: t * k]).reshape(t, k, -1)
     return jnp.einsum("tk,tkd->td", wts, y)
-
-
-def _sum_over_other_expert_axes(out, expert_axes, token_axes):
-    others = tuple(a for a in expert_axes if a not in token_axes)
-    return jax.lax.psum(out, others) if others else out  # experts over a non-token axis
 
 
 def _exclusive_cumsum(a, axis):

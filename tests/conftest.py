@@ -101,6 +101,66 @@ def pytest_collection_modifyitems(config, items):
         config.workeroutput["full_tier"] = len(full)
 
 
+# ----------------------------------------------------------------------------- orphans
+#
+# A process a test starts (the GCS emulator, a server, a trainer) outlives a worker that
+# crashes, and would run on after the test run, holding whatever waits for the run's
+# processes to end. The controlling pytest process adopts such orphans (a Linux child
+# subreaper) and stops them when the run ends.
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _is_controller(config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    if _is_controller(config) and sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of `pid`'s living children (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":  # ppid; a zombie needs no stop
+            found.append(int(entry))
+    return found
+
+
+def pytest_unconfigure(config):
+    """Stops every process still a child of the controller once the run is over: the xdist
+    workers have exited by now, so what is left is an orphan."""
+    if not (_is_controller(config) and sys.platform.startswith("linux")):
+        return
+    import signal
+    import time
+
+    left = _children(os.getpid())
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    for pid in left:  # reap them
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:  # reaped already
+                break
+            time.sleep(0.05)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     """xdist's controller: each worker collected every test, so each tells the same count."""

@@ -8,6 +8,7 @@ A config is an `ml_collections.ConfigDict` with these parts:
   config.mesh, mesh_dcn   device mesh sizes per axis (one may be -1)
   config.logical_axis_rules   logical array axis -> mesh axes
   config.train, config.data, config.checkpoint   the training job
+  config.dpo              DPO's settings, used when train.objective is "dpo"
 
 `configs/*.py` are thin `get_config()` files over `default_config()`; any field can be
 overridden from the command line (`--config.model.num_layers=4`).
@@ -63,6 +64,7 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_moe")
 MOE_IMPLS = ("dense", "ragged", "sharded")
 LORA_TARGETS = ("q", "k", "v", "o", "gate_up", "down", "router")
 DTYPES = ("float32", "bfloat16", "float16")
+OBJECTIVES = ("lm", "dpo")  # config.train.objective; training/steps.py's OBJECTIVES
 # config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
 # float32 elsewhere (runtime.resolve_dtype, for the platform the program runs on); inference
 # under "auto" also keeps the weights in that dtype (inference/loading.py).
@@ -102,6 +104,9 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict(
         dict(
+            # "lm": next-token loss on the loss mask. "dpo": preference pairs (data source
+            # pairs:PATH, two rows a pair) against a frozen reference policy (config.dpo).
+            objective="lm",
             steps=100,
             global_batch_size=8,  # sequences per optimizer step, over all devices
             seq_len=256,
@@ -151,6 +156,11 @@ def default_config() -> ml_collections.ConfigDict:
             max_failed_saves=0,
         )
     )
+    # Direct preference optimisation (train.objective="dpo"): the sigmoid loss of
+    # -log sigmoid(beta * (chosen - rejected log-ratio to the reference)), with label
+    # smoothing as cDPO. The reference is the base with the adapters off under LoRA, else
+    # a frozen copy of the starting parameters.
+    c.dpo = ml_collections.ConfigDict(dict(beta=0.1, label_smoothing=0.0))
     # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
     c.lora = ml_collections.ConfigDict(
         dict(
@@ -301,7 +311,7 @@ def validate(config: ml_collections.ConfigDict):
     for k in config.keys():
         _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
     architecture.validate(config.model.to_dict())
-    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora", "kernels"):
+    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora", "kernels", "dpo"):
         defaults = default_config()[section]
         for k in config[section].keys():
             _check(
@@ -362,6 +372,15 @@ def validate(config: ml_collections.ConfigDict):
     _check(t.loss_chunk_size > 0, "train.loss_chunk_size", "must be > 0")
     _check(t.log_every > 0, "train.log_every", "must be > 0")
     _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
+    _check(t.objective in OBJECTIVES, "train.objective",
+           f"{t.objective!r} is not one of {OBJECTIVES}")  # fmt: skip
+    if t.objective == "dpo":
+        _check(config.dpo.beta > 0, "dpo.beta", f"must be > 0, got {config.dpo.beta}")
+        _check(0 <= config.dpo.label_smoothing < 0.5, "dpo.label_smoothing",
+               f"must be in [0, 0.5), got {config.dpo.label_smoothing}")  # fmt: skip
+        _check(t.global_batch_size % (2 * t.grad_accum_steps) == 0, "train.global_batch_size",
+               f"{t.global_batch_size} rows must hold whole preference pairs (two rows each) "
+               f"in each of the {t.grad_accum_steps} microbatches")  # fmt: skip
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
     _check(config.checkpoint.max_failed_saves >= 0, "checkpoint.max_failed_saves", "must be >= 0")
     _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")

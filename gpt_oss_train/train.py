@@ -87,6 +87,23 @@ def check_eval_source(config):
         )
 
 
+def check_objective_data(config, source) -> None:
+    """DPO trains on preference pairs and only on them."""
+    pairs = getattr(source, "has_pairs", False)
+    if config.train.objective == "dpo" and not pairs:
+        raise ConfigError(
+            f"config.data.source: train.objective='dpo' needs preference pairs "
+            f"(pairs:PATH.jsonl), got {config.data.source!r}"
+        )
+    if pairs:
+        data_lib.check_pairs_fit(source, config.train.seq_len)
+    if config.train.objective != "dpo" and pairs:
+        raise ConfigError(
+            f"config.data.source: {config.data.source!r} holds preference pairs; train them "
+            "with train.objective='dpo' (configs/dpo.py)"
+        )
+
+
 def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> tuple[dict, dict]:
     """(state, the checkpoint's meta) from the newest checkpoint of this run that restores,
     else init_from's parameters, else random ones (meta {})."""
@@ -212,6 +229,7 @@ def _prepare_locked(config, workdir: str, devices, lock) -> Run:
         num_workers=config.data.num_workers,
         max_docs=config.data.max_docs,
     )
+    check_objective_data(config, pipeline.source)
     # Refuses a workdir whose checkpoint has another shape, before anything expensive.
     ckpt = ckpt_lib.TrainCheckpointer(
         workdir,
@@ -286,9 +304,7 @@ class _Loop:
                 self.logger.after_step(self.step, out, self.skipped.total)
                 self.check_diverged()
                 if t.eval_every and self.step % t.eval_every == 0:
-                    self.writer.write(
-                        self.step, {"eval_loss": evaluate(setup, self.state["params"])}
-                    )
+                    self.writer.write(self.step, evaluate(setup, self.state["params"]))
                 if self.check_stops():
                     return True
                 if due and not self.skipped.in_a_row:  # never rotate out good ones mid-streak

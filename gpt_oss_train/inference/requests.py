@@ -405,7 +405,8 @@ def evaluate_data(
     except data_lib.DataError as e:
         raise DecodeError(f"--data={spec}: {e}") from None
     step = model.kept(
-        "eval_step", lambda: jax.jit(steps.make_eval_step(model.md, model.config.train))
+        "eval_step",
+        lambda: jax.jit(steps.make_eval_step(model.md, model.config.train, objective="lm")),
     )
     with model.scope():
         batches = evaluate_lib.take(pipeline, num_batches)

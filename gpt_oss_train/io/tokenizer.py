@@ -532,6 +532,24 @@ class Tokenizer:
             prev_continues_turn = toks[-1] == END_ID and not is_final
         return ids, mask
 
+    def render_reply_for_training(
+        self,
+        prompt: Sequence[Mapping[str, Any]],
+        reply: Sequence[Mapping[str, Any]],
+        reasoning_effort: str = "medium",
+    ) -> tuple[list[int], list[int]]:
+        """(ids, loss_mask) of `prompt` followed by the assistant messages `reply`, the mask
+        1 on the reply alone (render_chat_for_training's rule, within the reply): what a
+        preference pair compares is the two replies' log-probabilities, never the prompt's,
+        even where the prompt holds earlier assistant turns."""
+        ids, mask = self.render_chat_for_training([*prompt, *reply], reasoning_effort)
+        options = RenderOptions(conversation_has_function_tools=False)
+        prompt_len = sum(
+            len(self._render_message(m, options))
+            for m in _conversation(prompt, reasoning_effort, None)
+        )
+        return ids, [0] * prompt_len + mask[prompt_len:]
+
     def _render_message(self, m: Message, options: RenderOptions) -> list[int]:
         """harmony's render of one message. A content that may hold a long pre-token is
         rendered as a stand-in, then put back and encoded by `encode`: harmony encodes a

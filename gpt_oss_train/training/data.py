@@ -21,6 +21,14 @@ A batch, the contract with the train step, is a dict of int32 numpy arrays [rows
   positions    0, 1, 2, ... within each segment (0 on padding)
   segment_ids  1, 2, 3, ... per segment within the row; 0 marks padding
   loss_mask    1 where the target is trained: not padding, and for chats an assistant token
+
+Preference pairs (pairs:PATH, for DPO) are not packed: a pair is two rows, the prompt then
+the chosen reply, and the prompt then the rejected one (`render_reply_for_training`: the
+mask covers the reply alone), each cut at seq_len and padded. A batch's rows alternate
+chosen, rejected, so its rows 2i and 2i+1 are pair i. The DPO loss counts only pairs with
+trained tokens in both rows: not the padding of a last batch, nor a pair one of whose
+replies starts past seq_len (`check_pairs_fit` refuses a run where none of the first pairs
+fits).
 """
 
 from __future__ import annotations
@@ -34,7 +42,13 @@ import numpy as np
 from gpt_oss_train.io.tokenizer import PAD_ID
 
 # DataError is raised here too; callers catch it as data.DataError.
-from gpt_oss_train.training.sources import Chat, DataError, TokenRecords, make_source
+from gpt_oss_train.training.sources import (
+    Chat,
+    DataError,
+    PreferencePair,
+    TokenRecords,
+    make_source,
+)
 
 EXAMPLE_KEYS = ("inputs", "targets", "loss_mask")
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
@@ -73,6 +87,56 @@ def to_example(raw) -> dict[str, np.ndarray]:
 
 def _has_pairs(example: dict[str, np.ndarray]) -> bool:
     return len(example["inputs"]) > 0  # an empty text is [eos] alone: nothing to predict
+
+
+def _padded_row(ids: list[int], mask: list[int], seq_len: int) -> dict[str, np.ndarray]:
+    """One unpacked row: the document's example cut at seq_len, padded after."""
+    ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+    n = min(len(ids) - 1, seq_len)
+    row = {k: np.zeros(seq_len, np.int32) for k in BATCH_KEYS}
+    row["inputs"][:] = row["targets"][:] = PAD_ID
+    row["inputs"][:n], row["targets"][:n], row["loss_mask"][:n] = (
+        ids[:n],
+        ids[1 : n + 1],
+        mask[1 : n + 1],
+    )
+    row["positions"][:n] = np.arange(n)
+    row["segment_ids"][:n] = 1
+    return row
+
+
+def pair_rows(pair: PreferencePair, seq_len: int) -> dict[str, np.ndarray]:
+    """A preference pair as two rows (module docstring): each key [2, seq_len]."""
+    tok = _tokenizer()
+    rows = []
+    for reply in (pair.chosen, pair.rejected):
+        try:
+            ids, mask = tok.render_reply_for_training(pair.prompt, reply)
+        except ValueError as e:
+            raise DataError(f"{pair.where}: {e}") from None
+        rows.append(_padded_row(ids, mask, seq_len))
+    return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
+
+
+def check_pairs_fit(source, seq_len: int, first: int = 64) -> None:
+    """A DataError unless some of the first `first` pairs has both replies inside seq_len:
+    otherwise the run would train nothing, step after step."""
+    n = min(first, len(source))
+    for i in range(n):
+        if pair_rows(source[i], seq_len)["loss_mask"].any(axis=1).all():
+            return
+    raise DataError(
+        f"{source.name}: none of the first {n} preference pairs has both replies within "
+        f"train.seq_len={seq_len} tokens (the Harmony system prompt alone takes about 60); "
+        "raise seq_len"
+    )
+
+
+def _stack_pairs(pairs: list[dict[str, np.ndarray]], *, num_rows: int):
+    """[2, seq_len] pairs -> a batch of num_rows rows (chosen, rejected, ...), a short last
+    batch padded with untrained rows as _stack_rows does."""
+    rows = [{k: p[k][i] for k in BATCH_KEYS} for p in pairs for i in (0, 1)]
+    return _stack_rows(rows, num_rows=num_rows, pad_id=PAD_ID)
 
 
 class _RowsIterator(grain.DatasetIterator):
@@ -211,6 +275,11 @@ def make_pipeline(
     source = make_source(source_spec, split=split) if isinstance(source_spec, str) else source_spec
     whole = isinstance(source, TokenRecords)
     rows = global_batch_size if whole else global_batch_size // process_count
+    pairs = getattr(source, "has_pairs", False)
+    if pairs and rows % 2:
+        raise ValueError(
+            f"preference pairs take two rows each: {rows} rows a batch per process is odd"
+        )
     pad_id = PAD_ID
 
     ds = grain.MapDataset.source(source)
@@ -222,11 +291,17 @@ def make_pipeline(
     if not whole:
         # After repeat, so the processes split every epoch between them, each a disjoint part.
         ds = ds[process_index::process_count]
-    ds = ds.map(to_example).filter(_has_pairs)
+    if pairs:
+        ds = ds.map(functools.partial(pair_rows, seq_len=seq_len))
+    else:
+        ds = ds.map(to_example).filter(_has_pairs)
     # Threads overlap file reads and tokenizing with the train step (which releases the GIL).
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
-    ds = pack(ds, seq_len, pad_id)
-    ds = ds.batch(rows, batch_fn=functools.partial(_stack_rows, num_rows=rows, pad_id=pad_id))
+    if pairs:
+        ds = ds.batch(rows // 2, batch_fn=functools.partial(_stack_pairs, num_rows=rows))
+    else:
+        ds = pack(ds, seq_len, pad_id)
+        ds = ds.batch(rows, batch_fn=functools.partial(_stack_rows, num_rows=rows, pad_id=pad_id))
     if num_workers > 0:
         from absl import flags
 

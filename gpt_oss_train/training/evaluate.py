@@ -1,6 +1,7 @@
-"""Held-out evaluation: the mean next-token loss over batches of a data source's eval
-split, read from its start each time so evaluations are comparable. Training's periodic
-eval and `decode --mode=score --data=SPEC` both run `eval_loss`."""
+"""Held-out evaluation: the objective's means (the next-token loss; DPO's loss, reward
+margins and preference accuracy) over batches of a data source's eval split, read from its
+start each time so evaluations are comparable. Training's periodic eval and `decode
+--mode=score --data=SPEC` both run `eval_loss`."""
 
 from __future__ import annotations
 
@@ -9,19 +10,30 @@ from typing import Iterable
 import jax
 
 from gpt_oss_train.training import data as data_lib
+from gpt_oss_train.training import steps
 
 
-def eval_loss(eval_step, params, batches: Iterable[dict], mesh, rules, *, whole=False) -> dict:
-    """Sums eval_step's (nll, tokens) over the local batches (as the pipeline yields them;
-    whole: Pipeline.whole_batches) -> {"loss", "tokens", "batches"}; loss is None when no
-    token was scored."""
-    nll = tokens = 0.0
+def eval_loss(
+    eval_step, params, batches: Iterable[dict], mesh, rules, *, whole=False, objective="lm"
+) -> dict:
+    """Sums eval_step's stats over the local batches (as the pipeline yields them; whole:
+    Pipeline.whole_batches) -> {"loss", "tokens", "batches", "metrics"}: metrics are the
+    objective's logged means; loss (theirs) is None when nothing was scored."""
+    spec = steps.OBJECTIVES[objective]
+    totals = dict.fromkeys(spec.stats, 0.0)
     n = 0
     for local in batches:
         batch = data_lib.global_batch(local, mesh, rules, whole=whole)
-        a, b = jax.device_get(eval_step(params, batch))
-        nll, tokens, n = nll + float(a), tokens + float(b), n + 1
-    return {"loss": nll / tokens if tokens else None, "tokens": int(tokens), "batches": n}
+        stats = jax.device_get(eval_step(params, batch))
+        totals = {k: totals[k] + float(stats[k]) for k in spec.stats}
+        n += 1
+    metrics = (
+        {name: totals[key] / totals[spec.count] for name, key in spec.means.items()}
+        if totals[spec.count]
+        else {}
+    )
+    return {"loss": metrics.get("loss"), "tokens": int(totals["tokens"]), "batches": n,
+            "metrics": metrics}  # fmt: skip
 
 
 def eval_pipeline(
@@ -50,9 +62,10 @@ def take(iterator, n: int):
             return
 
 
-def evaluate(setup, params) -> float | None:
+def evaluate(setup, params) -> dict:
     """Training's periodic eval: config.train.eval_batches batches of the held-out split
-    (data.eval_source, else the source's own eval split)."""
+    (data.eval_source, else the source's own eval split) -> {"eval_loss": ...}, and for
+    DPO the rest of its means ("eval_rewards/accuracies", ...)."""
     c = setup.config
     pipeline = eval_pipeline(
         c.data.eval_source or c.data.source,
@@ -62,6 +75,9 @@ def evaluate(setup, params) -> float | None:
         max_docs=c.data.max_docs,
     )
     batches = take(pipeline, c.train.eval_batches)
-    return eval_loss(
-        setup.eval_step, params, batches, setup.mesh, setup.rules, whole=pipeline.whole_batches
-    )["loss"]
+    objective = c.train.objective
+    result = eval_loss(setup.eval_step, params, batches, setup.mesh, setup.rules,
+                       whole=pipeline.whole_batches, objective=objective)  # fmt: skip
+    if objective == "lm":
+        return {"eval_loss": result["loss"]}
+    return {f"eval_{name}": v for name, v in result["metrics"].items() if name != "aux_loss"}

@@ -12,10 +12,14 @@
                               directory written by tools/pretokenize.py). A path is read
                               whole whatever `split` says: give eval its own path.
   chat:PATH                   JSONL whose every line must be a {"messages": [...]} chat
+  pairs:PATH                  preference pairs for DPO, TRL's conversational format: JSONL
+                              lines of {"prompt": [...], "chosen": [...], "rejected": [...]}
+                              (message lists; chosen and rejected hold assistant messages)
 
 A source is what grain's MapDataset reads (`__len__`, `__getitem__`), plus `name`,
-`has_chat` and `has_content()`. A raw document is a str (plain text), a `Chat` (checked
-when the source is built, so a bad line stops the run before training starts), or an
+`has_chat`, `has_pairs` and `has_content()`. A raw document is a str (plain text), a `Chat`
+or a `PreferencePair` (checked when the source is built, so a bad line stops the run
+before training starts), or an
 int32 array of ids ([n], or [2, n] with the loss mask as the second row). Bytes that are
 not valid UTF-8 never stop a read: they become U+FFFD, are warned about once per file and
 counted (`replaced_bytes`). Every mistake in a spec or a file is a `DataError`.
@@ -102,14 +106,22 @@ class Chat(NamedTuple):
     where: str  # "file:line", for error messages
 
 
+class PreferencePair(NamedTuple):
+    prompt: list  # the conversation so far
+    chosen: list  # the preferred assistant messages that follow it
+    rejected: list  # the other ones
+    where: str  # "file:line", for error messages
+
+
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _check_chat(messages: Any, where: str) -> None:
-    """The structural checks a chat must pass before training starts (rendering is later)."""
+def _check_chat(messages: Any, where: str, field: str = "messages", trains: bool = True) -> None:
+    """The structural checks a chat must pass before training starts (rendering is later);
+    `trains`: it must hold an assistant message to train on."""
     if not isinstance(messages, list) or not messages:
         raise DataError(
-            f'{where}: "messages" must be a non-empty list of '
+            f'{where}: "{field}" must be a non-empty list of '
             '{"role": ..., "content": ...} objects'
         )
     for i, m in enumerate(messages):
@@ -122,8 +134,27 @@ def _check_chat(messages: Any, where: str) -> None:
             )
         if not isinstance(m.get("content"), str):
             raise DataError(f'{where}: message {i} ({m["role"]}) needs a string "content"')
-    if not any(m["role"] == "assistant" for m in messages):
+    if trains and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: the chat has no assistant message, so nothing to train on")
+
+
+def _check_pair(obj: dict, where: str) -> None:
+    """A preference pair: a prompt, then two alternative assistant replies."""
+    missing = [k for k in ("prompt", "chosen", "rejected") if k not in obj]
+    if missing:
+        raise DataError(
+            f'{where}: a preference pair needs "prompt", "chosen" and "rejected" message '
+            f"lists; missing {missing}"
+        )
+    _check_chat(obj["prompt"], where, "prompt", trains=False)
+    for field in ("chosen", "rejected"):
+        _check_chat(obj[field], where, field)
+        roles = {m["role"] for m in obj[field]}
+        if roles != {"assistant"}:
+            raise DataError(
+                f'{where}: "{field}" must hold the assistant\'s reply only, got roles '
+                f"{sorted(roles)}"
+            )
 
 
 class TextFiles:
@@ -147,15 +178,18 @@ class TextFiles:
 
 
 class JsonlFiles:
-    """Lines of {"text": str} or {"messages": [...]}. Every line is parsed and checked once
-    here, so a bad line stops the run before training starts; then only byte offsets are
-    kept and a line is re-read when asked for."""
+    """Lines of {"text": str} or {"messages": [...]}, or with `pairs_only` preference pairs
+    ({"prompt", "chosen", "rejected"}). Every line is parsed and checked once here, so a bad
+    line stops the run before training starts; then only byte offsets are kept and a line
+    is re-read when asked for."""
 
-    def __init__(self, paths: list[str], name: str, *, chat_only: bool = False):
+    def __init__(
+        self, paths: list[str], name: str, *, chat_only: bool = False, pairs_only: bool = False
+    ):
         self.paths, self.name = list(paths), name
         self.replacements = _Replacements()
         file_idx, offsets, lines = [], [], []
-        self.has_chat = False
+        self.has_chat, self.has_pairs, self._pairs_only = False, pairs_only, pairs_only
         self._nonempty = 0
         for f_i, path in enumerate(self.paths):
             offset, bad = 0, 0
@@ -182,6 +216,12 @@ class JsonlFiles:
 
     def _check(self, obj: Any, where: str, chat_only: bool) -> bool:
         """Validates one line; returns whether it holds a non-empty document."""
+        if self._pairs_only:
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a preference pair object, got "
+                                f"{type(obj).__name__}")  # fmt: skip
+            _check_pair(obj, where)
+            return True
         if not isinstance(obj, dict) or (
             "messages" not in obj and ("text" not in obj or chat_only)
         ):
@@ -199,11 +239,14 @@ class JsonlFiles:
     def __len__(self):
         return len(self._offset)
 
-    def __getitem__(self, i: int) -> str | Chat:
+    def __getitem__(self, i: int) -> str | Chat | PreferencePair:
         path = self.paths[self._file[i]]
         with open(path, "rb") as f:
             f.seek(int(self._offset[i]))
             obj = json.loads(decode_utf8(f.readline())[0])
+        if self._pairs_only:
+            where = f"{path}:{self._line[i]}"
+            return PreferencePair(obj["prompt"], obj["chosen"], obj["rejected"], where)
         if "messages" in obj:
             return Chat(obj["messages"], f"{path}:{self._line[i]}")
         return obj["text"]
@@ -474,20 +517,23 @@ def make_source(spec: str, *, split: str = "train"):
     elif spec.startswith("tfds:"):
         name, tfds_split, feature = _parse_tfds(spec[len("tfds:") :])
         source = TfdsSource(name, tfds_split, feature, split)
-    elif storage.is_remote(spec.removeprefix("chat:")):
-        if spec.startswith("chat:") or not storage.exists(storage.join(spec, META_FILE)):
+    elif storage.is_remote(spec.removeprefix("chat:").removeprefix("pairs:")):
+        if spec.startswith(("chat:", "pairs:")) or not storage.exists(
+            storage.join(spec, META_FILE)
+        ):
             raise DataError(
                 f"{spec}: from cloud storage only folders written by "
                 f"gpt_oss_train.tools.pretokenize (with {META_FILE}) are read; pre-tokenize the "
                 "corpus, or copy it to local disk"
             )
         source = _pretokenized_dir(storage.normalize(spec))
-    elif spec.startswith("chat:"):
-        files, single = _expand(spec[len("chat:") :])
+    elif spec.startswith(("chat:", "pairs:")):
+        kind, path = spec.split(":", 1)
+        files, single = _expand(path)
         files = files if single else [f for f in files if f.endswith(".jsonl")]
         if not files:
             raise DataError(f"{spec}: no .jsonl files there")
-        source = JsonlFiles(files, spec, chat_only=True)
+        source = JsonlFiles(files, spec, chat_only=kind == "chat", pairs_only=kind == "pairs")
     elif os.path.isfile(os.path.join(os.path.expanduser(spec), META_FILE)):
         source = _pretokenized_dir(os.path.expanduser(spec))
     else:

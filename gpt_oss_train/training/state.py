@@ -41,6 +41,9 @@ class TrainSetup:
     # LoRA: the frozen base (training/lora.py); params, gradients and optimizer state are
     # then the adapters'. None: full fine-tuning.
     frozen: lora_training.FrozenBase | None = None
+    # Full-fine-tuning DPO: the reference policy, a frozen copy of the starting parameters
+    # (under LoRA the reference is the base with the adapters off: `frozen`).
+    reference: lora_training.FrozenBase | None = None
 
     @property
     def model_cfg(self):
@@ -129,20 +132,25 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
         "opt_state": _with_shardings(jax.eval_shape(tx.init, abstract_params), opt_sh),
     }
     batch_sh = sharding.batch_sharding(mesh, rules, 2)
-    frozen_sh = () if frozen is None else (frozen.shardings,)
+    reference = None
+    if t.objective == "dpo" and frozen is None:  # the starting parameters, loaded again
+        reference = lora_training.FrozenBase(config, model_def, mesh, rules)
+    bound = frozen or reference  # the step's extra, non-donated argument
+    bound_sh = () if bound is None else (bound.shardings,)
     train_step = jax.jit(
-        steps.make_train_step(model_def, tx, schedule, t),
-        in_shardings=(state_sh, batch_sh, *frozen_sh),
+        steps.make_train_step(model_def, tx, schedule, t, config.dpo),
+        in_shardings=(state_sh, batch_sh, *bound_sh),
         out_shardings=(state_sh, None),
         donate_argnums=0,
     )
     eval_step = jax.jit(
-        steps.make_eval_step(model_def, t), in_shardings=(param_sh, batch_sh, *frozen_sh)
+        steps.make_eval_step(model_def, t, config.dpo),
+        in_shardings=(param_sh, batch_sh, *bound_sh),
     )
-    if frozen is not None:
-        train_step = lora_training.WithFrozen(train_step, frozen)
-        eval_step = lora_training.WithFrozen(eval_step, frozen)
+    if bound is not None:
+        train_step = lora_training.WithFrozen(train_step, bound)
+        eval_step = lora_training.WithFrozen(eval_step, bound)
     return TrainSetup(
         config, model_def, mesh, rules, tx, schedule, state_sh, abstract_state, batch_sh,
-        train_step, eval_step, frozen,
+        train_step, eval_step, frozen, reference,
     )  # fmt: skip

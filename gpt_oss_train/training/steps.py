@@ -1,9 +1,12 @@
-"""The math of one optimizer step: AdamW with warmup + cosine, the loss, gradient
-accumulation over microbatches, and the optimizer state's shardings. `train.py` runs the
-loop around these; `tools/benchmark.py` times them on synthetic batches.
+"""The math of one optimizer step: AdamW with warmup + cosine, the objective (next-token
+loss or DPO), gradient accumulation over microbatches, and the optimizer state's
+shardings. `train.py` runs the loop around these; `tools/benchmark.py` times them on
+synthetic batches.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ from gpt_oss_train.kernels.xla.optimizer import ConfiguredOptimizer
 from gpt_oss_train.model import lora, parameters
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
 from gpt_oss_train.training import loss as loss_lib
+from gpt_oss_train.training import rl_losses
 
 
 def _decays(key_path, _) -> bool:
@@ -61,19 +65,66 @@ def opt_state_shardings(tx, abstract_params, param_shardings, mesh):
     )
 
 
-# ----------------------------------------------------------------------------- steps
+# ----------------------------------------------------------------------------- objectives
 
 
-def make_loss_fn(model_def: ModelDef, t):
-    """loss_fn(params, batch, frozen=None) -> (summed objective, stats): sums over tokens,
-    so the gradient-accumulation path divides once by the total token count. With LoRA,
-    `params` are the adapters (what is differentiated) and `frozen` the base."""
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What an objective's loss function sums (`stats`: every one adds up over
+    microbatches), which of them normalises the rest (`count`), and what is logged: each
+    of `means` is a stat divided by the count."""
+
+    stats: tuple[str, ...]
+    count: str
+    means: dict[str, str]  # logged name -> stat
+
+    def metrics(self, stats: dict) -> dict:
+        n = jnp.maximum(stats[self.count], 1.0)
+        return {name: stats[key] / n for name, key in self.means.items()}
+
+
+OBJECTIVES = {  # config.train.objective
+    "lm": Objective(
+        stats=("nll", "z", "aux", "tokens"),
+        count="tokens",
+        means={"loss": "nll", "aux_loss": "aux", "z_loss": "z"},
+    ),
+    # Names as TRL's DPOTrainer logs them.
+    "dpo": Objective(
+        stats=("loss", "aux", "pairs", "tokens", *rl_losses.DPO_STATS),
+        count="pairs",
+        means={
+            "loss": "loss",
+            "aux_loss": "aux",
+            "rewards/chosen": "chosen_reward",
+            "rewards/rejected": "rejected_reward",
+            "rewards/margins": "margin",
+            "rewards/accuracies": "accuracy",
+            "logps/chosen": "chosen_logp",
+            "logps/rejected": "rejected_logp",
+        },
+    ),
+}
+
+
+def _hidden(model_def: ModelDef, tree, batch):
+    model = model_def.bind(tree)
+    hidden, aux, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+    return hidden, aux
+
+
+def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None):
+    """loss_fn(params, batch, frozen=None) -> (summed objective, stats): sums (over tokens,
+    or DPO's pairs), so the gradient-accumulation path divides once by the total count
+    (OBJECTIVES[t.objective].count). With LoRA, `params` are the adapters (what is
+    differentiated) and `frozen` the base; under full-fine-tuning DPO, `frozen` is the
+    reference's parameters. `objective` overrides t.objective."""
     dtype = DTYPES[model_def.cfg.dtype]
+    is_lora = model_def.cfg.lora is not None
 
-    def loss_fn(params, batch, frozen=None):
+    def lm_loss(params, batch, frozen=None):
         tree = params if frozen is None else lora.merge(frozen, params)
-        model = model_def.bind(tree)
-        hidden, aux, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        hidden, aux = _hidden(model_def, tree, batch)
         nll, z, n = loss_lib.lm_loss_sums(
             hidden,
             tree["unembed"]["kernel"],
@@ -89,7 +140,46 @@ def make_loss_fn(model_def: ModelDef, t):
         objective = nll + t.z_loss_coef * z + t.aux_loss_coef * aux * n
         return objective, {"nll": nll, "z": z, "aux": aux * n, "tokens": n}
 
-    return loss_fn
+    def sequence_logprobs(tree, batch):
+        """Each row's summed log-probability of its trained tokens, [rows]; and the MoE aux."""
+        hidden, aux = _hidden(model_def, tree, batch)
+        logp, _ = loss_lib.token_logprobs(
+            hidden,
+            tree["unembed"]["kernel"],
+            batch["targets"],
+            chunk=t.loss_chunk_size,
+            dtype=dtype,
+            kernels=model_def.cfg.kernels,
+            gather_once=t.loss_gather_once,
+        )
+        return rl_losses.sequence_logprobs(logp, batch["loss_mask"]), aux
+
+    def dpo_loss(params, batch, frozen):
+        # The reference: the base with the adapters off (LoRA), or a frozen copy of the
+        # starting parameters (full fine-tuning); no gradient flows into it.
+        # Adapters off are zero adapters (B = 0): the LoRA model computes the base exactly.
+        if is_lora:
+            policy = lora.merge(frozen, params)
+            reference = lora.merge(frozen, jax.tree.map(jnp.zeros_like, params))
+        else:
+            policy, reference = params, frozen
+        logp, aux = sequence_logprobs(policy, batch)
+        ref_logp, _ = sequence_logprobs(jax.lax.stop_gradient(reference), batch)
+        trained = jnp.sum(batch["loss_mask"], axis=1).reshape(-1, 2)  # rows 2i, 2i+1: pair i
+        real = jnp.all(trained > 0, axis=1).astype(jnp.float32)  # padding pairs count for 0
+        loss, pairs, stats = rl_losses.dpo_sums(
+            *logp.reshape(-1, 2).T,
+            *ref_logp.reshape(-1, 2).T,
+            beta=dpo.beta,
+            label_smoothing=dpo.label_smoothing,
+            weights=real,
+        )
+        objective = loss + t.aux_loss_coef * aux * pairs
+        tokens = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
+        return objective, {"loss": loss, "aux": aux * pairs, "pairs": pairs, "tokens": tokens,
+                           **stats}  # fmt: skip
+
+    return {"lm": lm_loss, "dpo": dpo_loss}[objective or t.objective]
 
 
 def update_if_finite(finite, update, old):
@@ -101,11 +191,12 @@ def update_if_finite(finite, update, old):
     return jax.lax.cond(finite, lambda _: update(), lambda _: old, None)
 
 
-def make_train_step(model_def: ModelDef, tx, schedule, t):
+def make_train_step(model_def: ModelDef, tx, schedule, t, dpo=None):
     """(state, batch) -> (state, metrics). metrics["skipped"] is 1.0 when the loss or the
     gradient norm was not finite and the update was skipped (update_if_finite). The
-    update is the kernel registry's `optimizer_update` operation."""
-    loss_fn = make_loss_fn(model_def, t)
+    update is the kernel registry's `optimizer_update` operation. `dpo`: config.dpo."""
+    loss_fn = make_loss_fn(model_def, t, dpo)
+    objective = OBJECTIVES[t.objective]
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state, batch, frozen=None):
@@ -123,9 +214,9 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
                 (_, st), g = grad_fn(params, mb, frozen)
                 return jax.tree.map(jnp.add, acc, (g, st)), None
 
-            zero_stats = {k_: jnp.zeros((), jnp.float32) for k_ in ("nll", "z", "aux", "tokens")}
+            zero_stats = {k_: jnp.zeros((), jnp.float32) for k_ in objective.stats}
             (grads, stats), _ = jax.lax.scan(one, (zeros, zero_stats), micro)
-        n = jnp.maximum(stats["tokens"], 1.0)
+        n = jnp.maximum(stats[objective.count], 1.0)
 
         grad_norm = optax.tree.norm(grads) / n
 
@@ -136,9 +227,7 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
             )
 
         metrics = {
-            "loss": stats["nll"] / n,
-            "aux_loss": stats["aux"] / n,
-            "z_loss": stats["z"] / n,
+            **objective.metrics(stats),
             "grad_norm": grad_norm,
             "learning_rate": schedule(state["step"]),
             "tokens": stats["tokens"],
@@ -151,11 +240,12 @@ def make_train_step(model_def: ModelDef, tx, schedule, t):
     return train_step
 
 
-def make_eval_step(model_def: ModelDef, t):
-    loss_fn = make_loss_fn(model_def, t)
+def make_eval_step(model_def: ModelDef, t, dpo=None, objective: str | None = None):
+    """(params, batch, frozen=None) -> the objective's stats, summed over the batch
+    (Objective.metrics turns their sums over batches into the logged means)."""
+    loss_fn = make_loss_fn(model_def, t, dpo, objective)
 
     def eval_step(params, batch, frozen=None):
-        _, stats = loss_fn(params, batch, frozen)
-        return stats["nll"], stats["tokens"]
+        return loss_fn(params, batch, frozen)[1]
 
     return eval_step

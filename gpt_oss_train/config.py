@@ -8,7 +8,7 @@ A config is an `ml_collections.ConfigDict` with these parts:
   config.mesh, mesh_dcn   device mesh sizes per axis (one may be -1)
   config.logical_axis_rules   logical array axis -> mesh axes
   config.train, config.data, config.checkpoint   the training job
-  config.dpo              DPO's settings, used when train.objective is "dpo"
+  config.dpo, config.rl   DPO's and GRPO's settings (train.objective "dpo", "grpo")
 
 `configs/*.py` are thin `get_config()` files over `default_config()`; any field can be
 overridden from the command line (`--config.model.num_layers=4`).
@@ -64,7 +64,8 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_moe")
 MOE_IMPLS = ("dense", "ragged", "sharded")
 LORA_TARGETS = ("q", "k", "v", "o", "gate_up", "down", "router")
 DTYPES = ("float32", "bfloat16", "float16")
-OBJECTIVES = ("lm", "dpo")  # config.train.objective; training/steps.py's OBJECTIVES
+OBJECTIVES = ("lm", "dpo", "grpo")  # config.train.objective; training/steps.py's OBJECTIVES
+GRPO_AVERAGINGS = ("sequence", "token", "dr_grpo")  # training/rl_losses.py's AVERAGINGS
 # config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
 # float32 elsewhere (runtime.resolve_dtype, for the platform the program runs on); inference
 # under "auto" also keeps the weights in that dtype (inference/loading.py).
@@ -106,6 +107,7 @@ def default_config() -> ml_collections.ConfigDict:
         dict(
             # "lm": next-token loss on the loss mask. "dpo": preference pairs (data source
             # pairs:PATH, two rows a pair) against a frozen reference policy (config.dpo).
+            # "grpo": completions sampled from the policy and rewarded (config.rl).
             objective="lm",
             steps=100,
             global_batch_size=8,  # sequences per optimizer step, over all devices
@@ -161,6 +163,29 @@ def default_config() -> ml_collections.ConfigDict:
     # smoothing as cDPO. The reference is the base with the adapters off under LoRA, else
     # a frozen copy of the starting parameters.
     c.dpo = ml_collections.ConfigDict(dict(beta=0.1, label_smoothing=0.0))
+    # GRPO (train.objective="grpo", training/grpo.py): each step samples group_size
+    # completions of global_batch_size / group_size prompts (data.source: a chat JSONL of
+    # prompts, or rl:reasoning_gym:TASK) from the live policy, rewards them, and takes one
+    # optimizer step on the clipped objective with group-normalised advantages.
+    c.rl = ml_collections.ConfigDict(
+        dict(
+            group_size=4,  # completions per prompt
+            max_prompt_tokens=256,  # longer prompts stop the run before the first rollout
+            max_new_tokens=128,  # train.seq_len must hold both
+            temperature=1.0,
+            top_p=1.0,
+            reasoning_effort="low",  # for prompts that name none
+            # Reward functions "pkg.module:function,..." (built-ins: exact_answer, format);
+            # "" takes the prompt source's own (rl:reasoning_gym:TASK's scorer).
+            rewards="",
+            reward_weights="",  # comma-separated, one per reward ("": all 1)
+            scale_rewards=True,  # divide advantages by the group's std (False: Dr. GRPO)
+            averaging="token",  # one of GRPO_AVERAGINGS (TRL's loss_type names)
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            kl_coef=0.0,  # > 0: k3 KL to the reference (the base, adapters off, under LoRA)
+        )
+    )
     # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
     c.lora = ml_collections.ConfigDict(
         dict(
@@ -311,7 +336,8 @@ def validate(config: ml_collections.ConfigDict):
     for k in config.keys():
         _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
     architecture.validate(config.model.to_dict())
-    for section in ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora", "kernels", "dpo"):
+    sections = ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora", "kernels", "dpo", "rl")
+    for section in sections:
         defaults = default_config()[section]
         for k in config[section].keys():
             _check(
@@ -381,6 +407,8 @@ def validate(config: ml_collections.ConfigDict):
         _check(t.global_batch_size % (2 * t.grad_accum_steps) == 0, "train.global_batch_size",
                f"{t.global_batch_size} rows must hold whole preference pairs (two rows each) "
                f"in each of the {t.grad_accum_steps} microbatches")  # fmt: skip
+    if t.objective == "grpo":
+        _validate_rl(config.rl, t)
     _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
     _check(config.checkpoint.max_failed_saves >= 0, "checkpoint.max_failed_saves", "must be >= 0")
     _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
@@ -390,6 +418,30 @@ def validate(config: ml_collections.ConfigDict):
         "train.seq_len",
         f"{t.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}",
     )
+
+
+def _validate_rl(rl: ml_collections.ConfigDict, t: ml_collections.ConfigDict):
+    _check(isinstance(rl.group_size, int) and rl.group_size >= 2, "rl.group_size",
+           f"must be an integer >= 2 (advantages compare completions of a prompt), got "
+           f"{rl.group_size!r}")  # fmt: skip
+    _check(t.global_batch_size % rl.group_size == 0, "train.global_batch_size",
+           f"{t.global_batch_size} rows must hold whole groups of rl.group_size="
+           f"{rl.group_size}")  # fmt: skip
+    _check(t.grad_accum_steps == 1, "train.grad_accum_steps",
+           "GRPO takes its rollout batch in one step (grad_accum_steps=1)")  # fmt: skip
+    _check(rl.max_prompt_tokens > 0 and rl.max_new_tokens > 0, "rl.max_new_tokens",
+           "rl.max_prompt_tokens and rl.max_new_tokens must be > 0")  # fmt: skip
+    _check(t.seq_len >= rl.max_prompt_tokens + rl.max_new_tokens, "train.seq_len",
+           f"{t.seq_len} cannot hold rl.max_prompt_tokens + rl.max_new_tokens = "
+           f"{rl.max_prompt_tokens + rl.max_new_tokens}")  # fmt: skip
+    _check(rl.temperature > 0, "rl.temperature", "must be > 0: a group needs different samples")
+    _check(0 < rl.top_p <= 1, "rl.top_p", "must be in (0, 1]")
+    _check(rl.averaging in GRPO_AVERAGINGS, "rl.averaging",
+           f"{rl.averaging!r} is not one of {GRPO_AVERAGINGS}")  # fmt: skip
+    _check(rl.epsilon_low >= 0 and rl.epsilon_high >= 0, "rl.epsilon_low", "epsilons must be >= 0")
+    _check(rl.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
+    _check(rl.reasoning_effort in ("low", "medium", "high"), "rl.reasoning_effort",
+           "must be low, medium or high")  # fmt: skip
 
 
 def _validate_lora(c: ml_collections.ConfigDict):

@@ -10,7 +10,8 @@ gs://bucket/run (io/storage.py). In order:
   2. the architecture: from the config, or from `checkpoint.init_from` when fine-tuning
   3. the training setup (training/state.py): mesh, logical-axis rules, shardings, the
      jitted donated train step; the same one tools/aot_compile.py compiles for a TPU pod
-  4. data: a grain pipeline per process, batches assembled into global arrays
+  4. data: a grain pipeline per process, batches assembled into global arrays (GRPO:
+     prompts, whose batches the serving engine samples from the live policy, rollouts.py)
   5. state: the newest checkpoint in <workdir>/checkpoints that restores (a damaged one
      is logged and set aside), else init_from's params, else random ones
   6. loop: train_step (which skips an update whose loss or gradient norm is not finite),
@@ -30,7 +31,7 @@ import time
 import jax
 from absl import app, flags, logging
 
-from gpt_oss_train import architecture, errors, hardware, logs, runtime, sharding
+from gpt_oss_train import architecture, errors, hardware, logs, rollouts, runtime, sharding
 from gpt_oss_train import config as config_lib
 from gpt_oss_train.errors import ConfigError, RunStopped
 from gpt_oss_train.io import storage, workdir_lock
@@ -184,10 +185,19 @@ class Run:
     workdir: str
     lock: workdir_lock.WorkdirLock | None = None
     meta: dict = dataclasses.field(default_factory=dict)  # the resumed checkpoint's
+    rollouts: rollouts.Rollouts | None = None  # GRPO: `pipeline` is its prompts'
+
+    def next_batch(self, step: int) -> tuple[dict, dict]:
+        """(this step's local batch, metrics of how it was made: GRPO's rollout)."""
+        if self.rollouts is not None:
+            return self.rollouts.batch(self.state, step)
+        return next(self.pipeline), {}
 
     def close(self) -> None:
         """Waits for a save under way, then releases the workdir."""
         try:
+            if self.rollouts is not None:
+                self.rollouts.close()
             self.ckpt.close()
         finally:
             if self.lock is not None:
@@ -220,16 +230,23 @@ def _prepare_locked(config, workdir: str, devices, lock) -> Run:
     t = config.train
     arch = resolve_architecture(config)
     setup = state_lib.build(config, arch, devices)
-    pipeline = data_lib.make_pipeline(
-        config.data.source,
-        seq_len=t.seq_len,
-        global_batch_size=t.global_batch_size,
-        seed=config.seed,
-        shuffle=config.data.shuffle,
-        num_workers=config.data.num_workers,
-        max_docs=config.data.max_docs,
-    )
-    check_objective_data(config, pipeline.source)
+    grpo = None
+    if t.objective == "grpo":
+        if jax.process_count() > 1:
+            raise ConfigError("train.objective: GRPO runs in one process for now")
+        grpo = rollouts.Rollouts(setup, config)
+        pipeline = grpo.pipeline
+    else:
+        pipeline = data_lib.make_pipeline(
+            config.data.source,
+            seq_len=t.seq_len,
+            global_batch_size=t.global_batch_size,
+            seed=config.seed,
+            shuffle=config.data.shuffle,
+            num_workers=config.data.num_workers,
+            max_docs=config.data.max_docs,
+        )
+        check_objective_data(config, pipeline.source)
     # Refuses a workdir whose checkpoint has another shape, before anything expensive.
     ckpt = ckpt_lib.TrainCheckpointer(
         workdir,
@@ -242,7 +259,7 @@ def _prepare_locked(config, workdir: str, devices, lock) -> Run:
     lora_training.check_workdir(ckpt, setup)
     state, meta = initial_state(setup, ckpt, pipeline)
     logging.info("%s", setup.model_cfg.kernels.describe(sharding.platform(setup.mesh)))
-    return Run(setup, ckpt, pipeline, state, workdir, lock, meta)
+    return Run(setup, ckpt, pipeline, state, workdir, lock, meta, grpo)
 
 
 def _newest(ckpt) -> str:
@@ -289,7 +306,8 @@ class _Loop:
         ckpt.install_sigterm_handler()
         with setup.scope():
             while self.step < t.steps:
-                local = next(pipeline)
+                self.r.state = self.state  # what GRPO's rollouts sample from
+                local, made = self.r.next_batch(self.step)
                 batch = data_lib.global_batch(
                     local, setup.mesh, setup.rules, whole=pipeline.whole_batches
                 )
@@ -301,10 +319,12 @@ class _Loop:
                 self.skipped.settle(
                     self.step if due or self.logger.due(self.step) else self.step - 1
                 )
-                self.logger.after_step(self.step, out, self.skipped.total)
+                self.logger.after_step(self.step, {**out, **made}, self.skipped.total)
                 self.check_diverged()
                 if t.eval_every and self.step % t.eval_every == 0:
-                    self.writer.write(self.step, evaluate(setup, self.state["params"]))
+                    held_out = (self.r.rollouts.evaluate(self.state) if self.r.rollouts
+                                else evaluate(setup, self.state["params"]))  # fmt: skip
+                    self.writer.write(self.step, held_out)
                 if self.check_stops():
                     return True
                 if due and not self.skipped.in_a_row:  # never rotate out good ones mid-streak

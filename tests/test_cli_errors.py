@@ -30,6 +30,9 @@ def _data(folder):
 
 
 # name -> (command-line overrides, fragment of the one line); {name} is a data file.
+GRPO = ["--config.train.objective=grpo", "--config.data.source=chat:data/sample_prompts.jsonl",
+        "--config.train.seq_len=128", "--config.rl.max_prompt_tokens=96",
+        "--config.rl.max_new_tokens=32"]  # fmt: skip
 CASES = {
     "unknown field": (
         ["--config.train.stepz=3"],
@@ -66,6 +69,20 @@ CASES = {
     "unknown chat role": (["--config.data.source={role.jsonl}"], "unknown role 'human'"),
     "parquet without text": (["--config.data.source={no_text.parquet}"], "no 'text' column"),
     "glob matching nothing": (["--config.data.source={empty}/*.jsonl"], "matches no files"),
+    # GRPO: before the first rollout
+    "grpo reward not found": (
+        [*GRPO, "--config.rl.rewards=no_such_module:fn"],
+        "config.rl.rewards",
+    ),
+    "grpo prompt too long": (
+        [
+            *GRPO,
+            "--config.rl.rewards=whitespace",
+            "--config.rl.max_prompt_tokens=20",
+            "--config.rl.max_new_tokens=108",
+        ],
+        "the prompt is",
+    ),  # fmt: skip
 }
 
 

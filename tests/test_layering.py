@@ -20,7 +20,7 @@ FLOORS = (
     ("io",),
     ("training",),
     ("inference",),
-    ("train", "decode", "serve", "tools"),
+    ("train", "rollouts", "decode", "serve", "tools"),
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 

@@ -286,16 +286,19 @@ class Engine:
         return handle
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: RequestParams = RequestParams()
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: RequestParams | Sequence[RequestParams] = RequestParams(),
     ) -> list[Completion]:
         """Every prompt's Completion, in order (blocking; starts the engine if needed).
-        Submits as fast as the queue takes them."""
+        Submits as fast as the queue takes them. `params`: one for all, or one per prompt."""
         self.start()
+        each = [params] * len(prompts) if isinstance(params, RequestParams) else list(params)
         handles: list[RequestHandle] = []
-        for prompt in prompts:
+        for prompt, p in zip(prompts, each, strict=True):
             while True:
                 try:
-                    handles.append(self.submit(prompt, params))
+                    handles.append(self.submit(prompt, p))
                     break
                 except RequestRejected as e:
                     waiting = [h for h in handles if not h.done]

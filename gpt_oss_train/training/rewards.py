@@ -83,9 +83,18 @@ def format(prompt, completion, **_) -> float:  # shadows format() here: the name
     return 1.0 if completion["final"].strip() else 0.0
 
 
+def whitespace(prompt, completion, **_) -> float:
+    """The share of the completion's characters that are whitespace: a reward a tiny model
+    trained on code learns in minutes (configs/grpo.py's demonstration, where the lever is
+    its indentation tokens), not a task of any use."""
+    text = completion["text"]
+    return sum(ch.isspace() for ch in text) / len(text) if text else 0.0
+
+
 BUILTINS = {
     "exact_answer": f"{__name__}:exact_answer",
     "format": f"{__name__}:format",
+    "whitespace": f"{__name__}:whitespace",
     "reasoning_gym_score": "gpt_oss_train.training.prompts:reasoning_gym_score",
 }
 # Built-ins whose package comes with the `rl` extra: target -> (module, package).

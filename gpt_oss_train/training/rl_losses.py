@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 # TRL's names for the ways of averaging the per-token GRPO loss, see grpo_sums.
 AVERAGINGS = ("sequence", "token", "dr_grpo")
+# What grpo_sums' stats hold (sums over tokens, and the rows with tokens).
+GRPO_STATS = ("tokens", "sequences", "ratio", "clipped", "kl", "policy_loss")
 # What dpo_sums' stats hold (sums over pairs).
 DPO_STATS = ("chosen_reward", "rejected_reward", "margin", "accuracy", "chosen_logp",
              "rejected_logp")  # fmt: skip

@@ -54,13 +54,19 @@ class TrainSetup:
         return sharding.use_mesh(self.mesh, self.rules)
 
     def abstract_batch(self) -> dict:
-        """What data.global_batch gives the step: int32 [global_batch, seq_len] arrays."""
+        """What data.global_batch gives the step: int32 [global_batch, seq_len] arrays (and
+        GRPO's float32 advantages, a row's repeated along it)."""
         t = self.config.train
         shape = (t.global_batch_size, t.seq_len)
-        return {
+        batch = {
             k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
             for k in BATCH_KEYS
         }
+        if t.objective == "grpo":
+            batch["advantages"] = jax.ShapeDtypeStruct(
+                shape, jnp.float32, sharding=self.batch_sharding
+            )
+        return batch
 
     def init_state(self, params=None, step: int = 0) -> dict:
         """A state at `step` from `params` (random ones from config.seed if None), with a
@@ -133,18 +139,19 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
     }
     batch_sh = sharding.batch_sharding(mesh, rules, 2)
     reference = None
-    if t.objective == "dpo" and frozen is None:  # the starting parameters, loaded again
+    needs_reference = t.objective == "dpo" or (t.objective == "grpo" and config.rl.kl_coef)
+    if needs_reference and frozen is None:  # the starting parameters, loaded again
         reference = lora_training.FrozenBase(config, model_def, mesh, rules)
     bound = frozen or reference  # the step's extra, non-donated argument
     bound_sh = () if bound is None else (bound.shardings,)
     train_step = jax.jit(
-        steps.make_train_step(model_def, tx, schedule, t, config.dpo),
+        steps.make_train_step(model_def, tx, schedule, t, config.dpo, config.rl),
         in_shardings=(state_sh, batch_sh, *bound_sh),
         out_shardings=(state_sh, None),
         donate_argnums=0,
     )
     eval_step = jax.jit(
-        steps.make_eval_step(model_def, t, config.dpo),
+        steps.make_eval_step(model_def, t, config.dpo, rl=config.rl),
         in_shardings=(param_sh, batch_sh, *bound_sh),
     )
     if bound is not None:

@@ -71,16 +71,20 @@ def opt_state_shardings(tx, abstract_params, param_shardings, mesh):
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """What an objective's loss function sums (`stats`: every one adds up over
-    microbatches), which of them normalises the rest (`count`), and what is logged: each
-    of `means` is a stat divided by the count."""
+    microbatches), which of them normalises the objective (`count`: the gradient is the
+    summed objective's over it), and what is logged: each of `means` is a stat divided by
+    the count, or by the stat named with it."""
 
     stats: tuple[str, ...]
     count: str
-    means: dict[str, str]  # logged name -> stat
+    means: dict[str, str | tuple[str, str]]  # logged name -> stat, or (stat, its count)
 
     def metrics(self, stats: dict) -> dict:
-        n = jnp.maximum(stats[self.count], 1.0)
-        return {name: stats[key] / n for name, key in self.means.items()}
+        out = {}
+        for name, key in self.means.items():
+            key, count = (key, self.count) if isinstance(key, str) else key
+            out[name] = stats[key] / jnp.maximum(stats[count], 1.0)
+        return out
 
 
 OBJECTIVES = {  # config.train.objective
@@ -104,6 +108,19 @@ OBJECTIVES = {  # config.train.objective
             "logps/rejected": "rejected_logp",
         },
     ),
+    # Names as TRL's GRPOTrainer logs them; the rollouts' own (rewards, lengths) are the
+    # loop's (training/grpo.py).
+    "grpo": Objective(
+        stats=("loss", "aux", "normalizer", *rl_losses.GRPO_STATS),
+        count="normalizer",
+        means={
+            "loss": "loss",
+            "aux_loss": ("aux", "sequences"),
+            "kl": ("kl", "tokens"),
+            "clip_ratio": ("clipped", "tokens"),
+            "ratio": ("ratio", "tokens"),
+        },
+    ),
 }
 
 
@@ -113,12 +130,13 @@ def _hidden(model_def: ModelDef, tree, batch):
     return hidden, aux
 
 
-def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None):
+def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None, rl=None):
     """loss_fn(params, batch, frozen=None) -> (summed objective, stats): sums (over tokens,
     or DPO's pairs), so the gradient-accumulation path divides once by the total count
     (OBJECTIVES[t.objective].count). With LoRA, `params` are the adapters (what is
     differentiated) and `frozen` the base; under full-fine-tuning DPO, `frozen` is the
-    reference's parameters. `objective` overrides t.objective."""
+    reference's parameters. `dpo`, `rl`: config.dpo and config.rl; `objective` overrides
+    t.objective."""
     dtype = DTYPES[model_def.cfg.dtype]
     is_lora = model_def.cfg.lora is not None
 
@@ -140,10 +158,9 @@ def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None)
         objective = nll + t.z_loss_coef * z + t.aux_loss_coef * aux * n
         return objective, {"nll": nll, "z": z, "aux": aux * n, "tokens": n}
 
-    def sequence_logprobs(tree, batch):
-        """Each row's summed log-probability of its trained tokens, [rows]; and the MoE aux."""
-        hidden, aux = _hidden(model_def, tree, batch)
-        logp, _ = loss_lib.token_logprobs(
+    def token_logprobs(tree, hidden, batch):
+        """log p(target) of every position, [rows, seq_len]."""
+        return loss_lib.token_logprobs(
             hidden,
             tree["unembed"]["kernel"],
             batch["targets"],
@@ -151,7 +168,12 @@ def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None)
             dtype=dtype,
             kernels=model_def.cfg.kernels,
             gather_once=t.loss_gather_once,
-        )
+        )[0]
+
+    def sequence_logprobs(tree, batch):
+        """Each row's summed log-probability of its trained tokens, [rows]; and the MoE aux."""
+        hidden, aux = _hidden(model_def, tree, batch)
+        logp = token_logprobs(tree, hidden, batch)
         return rl_losses.sequence_logprobs(logp, batch["loss_mask"]), aux
 
     def dpo_loss(params, batch, frozen):
@@ -179,7 +201,35 @@ def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None)
         return objective, {"loss": loss, "aux": aux * pairs, "pairs": pairs, "tokens": tokens,
                            **stats}  # fmt: skip
 
-    return {"lm": lm_loss, "dpo": dpo_loss}[objective or t.objective]
+    def grpo_loss(params, batch, frozen=None):
+        # One optimizer step per rollout batch: the sampling policy is these parameters, so
+        # old_logp is logp without its gradient (the ratio is 1, its gradient is not).
+        policy = params if frozen is None or not is_lora else lora.merge(frozen, params)
+        hidden, aux = _hidden(model_def, policy, batch)
+        logp = token_logprobs(policy, hidden, batch)
+        ref_logp = None
+        if rl.kl_coef:
+            reference = (lora.merge(frozen, jax.tree.map(jnp.zeros_like, params))
+                         if is_lora else frozen)  # fmt: skip
+            ref_hidden, _ = _hidden(model_def, jax.lax.stop_gradient(reference), batch)
+            ref_logp = token_logprobs(reference, ref_hidden, batch)
+        loss, normalizer, stats = rl_losses.grpo_sums(
+            logp,
+            jax.lax.stop_gradient(logp),
+            batch["advantages"][:, 0],
+            batch["loss_mask"],
+            ref_logp=ref_logp,
+            kl_coef=rl.kl_coef,
+            epsilon_low=rl.epsilon_low,
+            epsilon_high=rl.epsilon_high,
+            averaging=rl.averaging,
+            max_completion_length=rl.max_new_tokens,
+        )
+        objective = loss + t.aux_loss_coef * aux * normalizer
+        return objective, {"loss": loss, "aux": aux * stats["sequences"],
+                           "normalizer": normalizer, **stats}  # fmt: skip
+
+    return {"lm": lm_loss, "dpo": dpo_loss, "grpo": grpo_loss}[objective or t.objective]
 
 
 def update_if_finite(finite, update, old):
@@ -191,11 +241,12 @@ def update_if_finite(finite, update, old):
     return jax.lax.cond(finite, lambda _: update(), lambda _: old, None)
 
 
-def make_train_step(model_def: ModelDef, tx, schedule, t, dpo=None):
+def make_train_step(model_def: ModelDef, tx, schedule, t, dpo=None, rl=None):
     """(state, batch) -> (state, metrics). metrics["skipped"] is 1.0 when the loss or the
     gradient norm was not finite and the update was skipped (update_if_finite). The
-    update is the kernel registry's `optimizer_update` operation. `dpo`: config.dpo."""
-    loss_fn = make_loss_fn(model_def, t, dpo)
+    update is the kernel registry's `optimizer_update` operation. `dpo`, `rl`: config.dpo
+    and config.rl."""
+    loss_fn = make_loss_fn(model_def, t, dpo, rl=rl)
     objective = OBJECTIVES[t.objective]
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -240,10 +291,10 @@ def make_train_step(model_def: ModelDef, tx, schedule, t, dpo=None):
     return train_step
 
 
-def make_eval_step(model_def: ModelDef, t, dpo=None, objective: str | None = None):
+def make_eval_step(model_def: ModelDef, t, dpo=None, objective: str | None = None, rl=None):
     """(params, batch, frozen=None) -> the objective's stats, summed over the batch
     (Objective.metrics turns their sums over batches into the logged means)."""
-    loss_fn = make_loss_fn(model_def, t, dpo, objective)
+    loss_fn = make_loss_fn(model_def, t, dpo, objective, rl)
 
     def eval_step(params, batch, frozen=None):
         return loss_fn(params, batch, frozen)[1]

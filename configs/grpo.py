@@ -12,9 +12,10 @@
   ... --config.data.source=rl:reasoning_gym:basic_arithmetic
 
 Each step samples rl.group_size completions of global_batch_size / group_size prompts
-with the serving engine on the trained weights, scores them, and takes one optimizer step
-(training/rl_losses.py: group-normalised advantages, the clipped ratio, the k3 KL to the
-base when rl.kl_coef > 0). LoRA here: the reference policy is the base, adapters off.
+with the serving engine on the trained weights, scores them, and takes rl.num_iterations
+optimizer updates on them (training/rl_losses.py: group-normalised advantages, the
+clipped ratio to the sampling policy, the k3 KL to the base when rl.kl_coef > 0; log-probs
+at rl.temperature). LoRA here: the reference policy is the base, adapters off.
 """
 
 import os

@@ -163,10 +163,11 @@ def default_config() -> ml_collections.ConfigDict:
     # smoothing as cDPO. The reference is the base with the adapters off under LoRA, else
     # a frozen copy of the starting parameters.
     c.dpo = ml_collections.ConfigDict(dict(beta=0.1, label_smoothing=0.0))
-    # GRPO (train.objective="grpo", training/grpo.py): each step samples group_size
+    # GRPO (train.objective="grpo", rollouts.py): each step samples group_size
     # completions of global_batch_size / group_size prompts (data.source: a chat JSONL of
-    # prompts, or rl:reasoning_gym:TASK) from the live policy, rewards them, and takes one
-    # optimizer step on the clipped objective with group-normalised advantages.
+    # prompts, or rl:reasoning_gym:TASK) from the live policy, rewards them, and takes
+    # num_iterations optimizer updates on the clipped objective with group-normalised
+    # advantages.
     c.rl = ml_collections.ConfigDict(
         dict(
             group_size=4,  # completions per prompt
@@ -184,6 +185,9 @@ def default_config() -> ml_collections.ConfigDict:
             epsilon_low=0.2,
             epsilon_high=0.2,
             kl_coef=0.0,  # > 0: k3 KL to the reference (the base, adapters off, under LoRA)
+            # Optimizer updates per rollout batch (TRL's num_iterations); from the second
+            # on, the clipped ratio moves away from 1.
+            num_iterations=1,
         )
     )
     # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
@@ -440,6 +444,8 @@ def _validate_rl(rl: ml_collections.ConfigDict, t: ml_collections.ConfigDict):
            f"{rl.averaging!r} is not one of {GRPO_AVERAGINGS}")  # fmt: skip
     _check(rl.epsilon_low >= 0 and rl.epsilon_high >= 0, "rl.epsilon_low", "epsilons must be >= 0")
     _check(rl.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
+    _check(isinstance(rl.num_iterations, int) and rl.num_iterations >= 1, "rl.num_iterations",
+           f"must be an integer >= 1, got {rl.num_iterations!r}")  # fmt: skip
     _check(rl.reasoning_effort in ("low", "medium", "high"), "rl.reasoning_effort",
            "must be low, medium or high")  # fmt: skip
 

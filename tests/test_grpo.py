@@ -5,6 +5,7 @@ reference: tests/test_rl_losses.py; rewards and prompt sources: test_rewards_pro
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -172,7 +173,8 @@ def _cli(workdir):
     narrow = [f"--config.model.{k}={v}" for k, v in NARROW.items()]
     cmd = [sys.executable, "-m", "gpt_oss_train.train", "--config=configs/grpo.py",
            f"--workdir={workdir}", "--config.train.steps=8", "--config.train.global_batch_size=8",
-           "--config.rl.max_new_tokens=16", "--config.checkpoint.every=2", *narrow]  # fmt: skip
+           "--config.rl.max_new_tokens=16", "--config.rl.num_iterations=2",
+           "--config.checkpoint.every=2", *narrow]  # fmt: skip
     return cmd, dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
 
@@ -187,6 +189,7 @@ def test_sigterm_then_resume_gives_the_uninterrupted_rewards_and_losses(tmp_path
     cmd, env = _cli(full)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(_per_step(full)) == list(range(1, 9)), done.stderr[-6000:]
     cmd, env = _cli(cut)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -201,6 +204,114 @@ def test_sigterm_then_resume_gives_the_uninterrupted_rewards_and_losses(tmp_path
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     want, got = _per_step(full), _per_step(cut)
-    assert sorted(got) == list(range(1, 9)) == sorted(want)
+    assert sorted(got) == list(range(1, 9)), again.stderr[-6000:]
     for step in want:  # the same prompts, samples and arithmetic: bitwise
         assert got[step] == want[step], step
+
+
+def _tiny_grpo_step_inputs():
+    """(config, model, params, a GRPO batch, the policy's log-probs of it from the model and
+    the loss module directly) at test sizes, full fine-tuning, float32."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gpt_oss_train.model.transformer import ModelDef
+    from gpt_oss_train.training import loss as loss_lib
+
+    c = _config(seq_len=16, loss_chunk_size=16, aux_loss_coef=0.0)
+    c.lora.rank = 0
+    c.model.update(num_layers=2, num_experts=4, experts_per_token=2, sliding_window=8,
+                   vocab_size=1024)  # fmt: skip
+    c.dtype, c.remat_policy = "float32", "none"
+    c.rl.update(max_prompt_tokens=8, max_new_tokens=8, num_iterations=2)
+    md = ModelDef(config_lib.ModelConfig.from_config(c))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, (8, 17))
+    batch = {
+        "inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+        "positions": np.tile(np.arange(16), (8, 1)), "segment_ids": np.ones((8, 16), np.int32),
+        "loss_mask": np.tile((np.arange(16) >= 8).astype(np.int32), (8, 1)),
+        "advantages": np.repeat(rng.normal(size=(8, 1)), 16, 1).astype(np.float32),
+    }  # fmt: skip
+    batch = jax.tree.map(jnp.asarray, batch)
+    params = md.init(0)
+
+    def logits(tree):
+        hidden, _, _ = md.bind(tree)(batch["inputs"], batch["positions"], batch["segment_ids"])
+        return hidden, tree["unembed"]["kernel"]
+
+    def logp(tree):
+        hidden, kernel = logits(tree)
+        return loss_lib.token_logprobs(hidden, kernel, batch["targets"], chunk=16,
+                                       dtype=jnp.float32)[0]  # fmt: skip
+
+    return c, md, params, batch, logp, logits
+
+
+@pytest.mark.full
+def test_several_updates_per_rollout_batch_take_the_ratio_to_the_sampling_policy():
+    """rl.num_iterations=2: one train step is two updates on the same rollout batch whose
+    ratio's denominator is the sampling policy's log-probs (the starting parameters'), so
+    it equals two one-update steps given those log-probs: the first with ratio 1, the
+    second with the ratio the first update made. SGD (the change is the gradient)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from gpt_oss_train.training import steps
+
+    c, md, params, batch, logp, _ = _tiny_grpo_step_inputs()
+    tx, lr = optax.sgd(0.5), lambda n: 1.0 + n  # lr: what the metric reads
+    state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+    twice = jax.jit(steps.make_train_step(md, tx, lr, c.train, rl=c.rl))
+    one_rl = copy.deepcopy(c.rl)
+    one_rl.num_iterations = 1
+    once = jax.jit(steps.make_train_step(md, tx, lr, c.train, rl=one_rl))
+
+    got, metrics = twice(state, batch)
+    given = {**batch, "old_logp": logp(params)}
+    first, m1 = once(state, given)
+    second, m2 = once(first, given)
+    assert int(got["step"]) == 1 and float(metrics["learning_rate"]) == 1.5  # updates 0, 1
+    assert float(m1["ratio"]) == pytest.approx(1.0, abs=1e-6)
+    assert abs(float(m2["ratio"]) - 1.0) > 1e-4  # the first update moved the policy
+    assert float(metrics["ratio"]) == pytest.approx((float(m1["ratio"]) + float(m2["ratio"])) / 2)
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(second["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    plain, _ = once(state, batch)  # one update without old_logp: the sampling policy is its own
+    for a, b in zip(jax.tree.leaves(plain["params"]), jax.tree.leaves(first["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_the_schedule_counts_updates():
+    """With k updates a step, warmup and decay stretch k-fold: the last update of the run
+    takes the end learning rate (the shifted warmup + cosine of make_optimizer)."""
+    import numpy as np
+
+    from gpt_oss_train.training import steps
+
+    t = _config(steps=10, warmup_steps=2, learning_rate=1.0, end_lr_ratio=0.1).train
+    _, schedule = steps.make_optimizer(t, updates=3)
+    assert float(schedule(0)) == pytest.approx(1 / 6)  # warmup over 6 updates
+    assert float(schedule(5)) == pytest.approx(1.0)
+    assert float(schedule(29)) == pytest.approx(0.1)  # the 30th update: the end value
+    assert float(schedule(17)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 12 / 24)))
+
+
+def test_the_learner_takes_log_probs_at_the_sampling_temperature():
+    """rl.temperature=2: the learner's log p(target) is log_softmax(logits / 2), in float64
+    from the same logits."""
+    import numpy as np
+
+    from gpt_oss_train.training import steps
+
+    c, md, params, batch, _, logits = _tiny_grpo_step_inputs()
+    got, _ = steps.policy_logprobs(md, c.train, params, batch, temperature=2.0)
+    hidden, kernel = logits(params)
+    z = np.einsum("bsd,dv->bsv", np.float64(hidden), np.float64(kernel)) / 2.0
+    z -= z.max(-1, keepdims=True)
+    want = np.take_along_axis(z, np.asarray(batch["targets"])[..., None], -1)[..., 0]
+    want -= np.log(np.exp(z).sum(-1))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -119,7 +119,7 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
     model_def = ModelDef(config_lib.ModelConfig.from_config(config, arch, platform))
     model_def.cfg.kernels.check(platform)
     check_batch(t.global_batch_size, t.grad_accum_steps, mesh, rules)
-    tx, schedule = steps.make_optimizer(t)
+    tx, schedule = steps.make_optimizer(t, steps.updates_per_step(t, config.rl))
 
     # Built outside the mesh context: optax creates its step counters eagerly, and under a
     # mesh of compile-only devices (tools/aot_compile.py) an eager op has nowhere to run.

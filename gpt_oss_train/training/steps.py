@@ -1,7 +1,7 @@
-"""The math of one optimizer step: AdamW with warmup + cosine, the objective (next-token
-loss or DPO), gradient accumulation over microbatches, and the optimizer state's
-shardings. `train.py` runs the loop around these; `tools/benchmark.py` times them on
-synthetic batches.
+"""The math of one training step: AdamW with warmup + cosine, the objective (next-token
+loss, DPO or GRPO), gradient accumulation over microbatches, GRPO's several updates per
+rollout batch, and the optimizer state's shardings. `train.py` runs the loop around
+these; `tools/benchmark.py` times them on synthetic batches.
 """
 
 from __future__ import annotations
@@ -25,16 +25,25 @@ def _decays(key_path, _) -> bool:
     return parameters.lookup(parameters.path_of(key_path))[0].decay
 
 
-def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def updates_per_step(t, rl=None) -> int:
+    """Optimizer updates in one train step: GRPO's rl.num_iterations passes over each
+    rollout batch (TRL's num_iterations), 1 otherwise."""
+    return rl.num_iterations if t.objective == "grpo" and rl is not None else 1
+
+
+def make_optimizer(t, updates: int = 1) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW (clipped by the global norm) on the schedule below, marked as the chain made
-    from `t`, so the `optimizer_update` kernels may fuse it (kernels/xla/optimizer.py)."""
+    from `t`, so the `optimizer_update` kernels may fuse it (kernels/xla/optimizer.py).
+    `updates` (updates_per_step) stretches the schedule, which counts optimizer updates,
+    over the run's train.steps steps."""
     # Linear warmup then cosine decay, shifted by one so the first update (count 0) already
     # uses lr/warmup_steps rather than 0, and the last (count steps-1) the end value.
+    warmup, total = t.warmup_steps * updates, t.steps * updates
     base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=t.learning_rate,
-        warmup_steps=t.warmup_steps,
-        decay_steps=max(t.steps, t.warmup_steps + 1),
+        warmup_steps=warmup,
+        decay_steps=max(total, warmup + 1),
         end_value=t.learning_rate * t.end_lr_ratio,
     )
     schedule = lambda count: base(count + 1)
@@ -109,7 +118,7 @@ OBJECTIVES = {  # config.train.objective
         },
     ),
     # Names as TRL's GRPOTrainer logs them; the rollouts' own (rewards, lengths) are the
-    # loop's (training/grpo.py).
+    # loop's (rollouts.py).
     "grpo": Objective(
         stats=("loss", "aux", "normalizer", *rl_losses.GRPO_STATS),
         count="normalizer",
@@ -128,6 +137,31 @@ def _hidden(model_def: ModelDef, tree, batch):
     model = model_def.bind(tree)
     hidden, aux, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
     return hidden, aux
+
+
+def _token_logprobs(model_def: ModelDef, t, tree, hidden, batch):
+    """log p(target) of every position, [rows, seq_len]."""
+    return loss_lib.token_logprobs(
+        hidden,
+        tree["unembed"]["kernel"],
+        batch["targets"],
+        chunk=t.loss_chunk_size,
+        dtype=DTYPES[model_def.cfg.dtype],
+        kernels=model_def.cfg.kernels,
+        gather_once=t.loss_gather_once,
+    )[0]
+
+
+def policy_logprobs(model_def: ModelDef, t, params, batch, frozen=None, temperature=1.0):
+    """The trained policy's log p(target) of every position, [rows, seq_len], and the MoE
+    aux loss. Under LoRA `params` are the adapters and `frozen` the base (else None).
+    `temperature`: of the distribution the tokens were sampled from (logits / T, as the
+    engine samples; the final hidden state scaled is the logits scaled)."""
+    policy = params if frozen is None else lora.merge(frozen, params)
+    hidden, aux = _hidden(model_def, policy, batch)
+    if temperature != 1.0:
+        hidden = hidden / jnp.asarray(temperature, hidden.dtype)
+    return _token_logprobs(model_def, t, policy, hidden, batch), aux
 
 
 def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None, rl=None):
@@ -159,16 +193,7 @@ def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None,
         return objective, {"nll": nll, "z": z, "aux": aux * n, "tokens": n}
 
     def token_logprobs(tree, hidden, batch):
-        """log p(target) of every position, [rows, seq_len]."""
-        return loss_lib.token_logprobs(
-            hidden,
-            tree["unembed"]["kernel"],
-            batch["targets"],
-            chunk=t.loss_chunk_size,
-            dtype=dtype,
-            kernels=model_def.cfg.kernels,
-            gather_once=t.loss_gather_once,
-        )[0]
+        return _token_logprobs(model_def, t, tree, hidden, batch)
 
     def sequence_logprobs(tree, batch):
         """Each row's summed log-probability of its trained tokens, [rows]; and the MoE aux."""
@@ -202,20 +227,23 @@ def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None,
                            **stats}  # fmt: skip
 
     def grpo_loss(params, batch, frozen=None):
-        # One optimizer step per rollout batch: the sampling policy is these parameters, so
-        # old_logp is logp without its gradient (the ratio is 1, its gradient is not).
-        policy = params if frozen is None or not is_lora else lora.merge(frozen, params)
-        hidden, aux = _hidden(model_def, policy, batch)
-        logp = token_logprobs(policy, hidden, batch)
+        # Log-probs at the sampling temperature, the reference's too (as TRL takes them).
+        base = frozen if is_lora else None
+        logp, aux = policy_logprobs(model_def, t, params, batch, base, rl.temperature)
+        # The sampling policy's log-probs: the batch carries them when the step makes
+        # several updates on it (make_train_step); at the first update the sampling policy
+        # is these parameters, so they are logp without its gradient (the ratio is 1, its
+        # gradient is not).
+        old_logp = batch.get("old_logp", jax.lax.stop_gradient(logp))
         ref_logp = None
         if rl.kl_coef:
             reference = (lora.merge(frozen, jax.tree.map(jnp.zeros_like, params))
                          if is_lora else frozen)  # fmt: skip
-            ref_hidden, _ = _hidden(model_def, jax.lax.stop_gradient(reference), batch)
-            ref_logp = token_logprobs(reference, ref_hidden, batch)
+            ref_logp, _ = policy_logprobs(model_def, t, jax.lax.stop_gradient(reference), batch,
+                                          temperature=rl.temperature)  # fmt: skip
         loss, normalizer, stats = rl_losses.grpo_sums(
             logp,
-            jax.lax.stop_gradient(logp),
+            old_logp,
             batch["advantages"][:, 0],
             batch["loss_mask"],
             ref_logp=ref_logp,
@@ -245,7 +273,7 @@ def make_train_step(model_def: ModelDef, tx, schedule, t, dpo=None, rl=None):
     """(state, batch) -> (state, metrics). metrics["skipped"] is 1.0 when the loss or the
     gradient norm was not finite and the update was skipped (update_if_finite). The
     update is the kernel registry's `optimizer_update` operation. `dpo`, `rl`: config.dpo
-    and config.rl."""
+    and config.rl. GRPO with rl.num_iterations > 1: iterated_updates."""
     loss_fn = make_loss_fn(model_def, t, dpo, rl=rl)
     objective = OBJECTIVES[t.objective]
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -288,7 +316,41 @@ def make_train_step(model_def: ModelDef, tx, schedule, t, dpo=None, rl=None):
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-    return train_step
+    updates = updates_per_step(t, rl)
+    if updates == 1:
+        return train_step
+    return iterated_updates(train_step, model_def, t, rl)
+
+
+def iterated_updates(train_step, model_def: ModelDef, t, rl):
+    """A GRPO step of `updates` optimizer updates on one rollout batch (TRL's
+    num_iterations): the sampling policy's log-probs (the ratio's denominator) are taken
+    once, before the first update, microbatch by microbatch like the gradients; the
+    metrics are the updates' means (skipped: 1 if any update was). The state's step
+    counts train steps, one per rollout; inside, the learning-rate metric counts updates
+    as the schedule does (make_optimizer(t, updates))."""
+    is_lora, updates = model_def.cfg.lora is not None, rl.num_iterations
+
+    def old_logprobs(params, batch, frozen):
+        k = t.grad_accum_steps
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+        base = frozen if is_lora else None
+        logp = jax.lax.map(
+            lambda mb: policy_logprobs(model_def, t, params, mb, base, rl.temperature)[0], micro
+        )
+        return jax.lax.stop_gradient(logp.reshape(batch["targets"].shape))
+
+    def step(state, batch, frozen=None):
+        batch = {**batch, "old_logp": old_logprobs(state["params"], batch, frozen)}
+        first = {**state, "step": state["step"] * updates}
+        last, metrics = jax.lax.scan(
+            lambda s, _: train_step(s, batch, frozen), first, None, length=updates
+        )
+        means = {k: jnp.mean(v) for k, v in metrics.items()}
+        means["skipped"] = jnp.max(metrics["skipped"])
+        return {**last, "step": state["step"] + 1}, means
+
+    return step
 
 
 def make_eval_step(model_def: ModelDef, t, dpo=None, objective: str | None = None, rl=None):

@@ -117,10 +117,10 @@ def unavailable(source_name: str, handlers: tuple[tuple[str, str], ...], cpu_fla
     """Builds (or finds) `source_name` (beside this file) and registers each (target name,
     exported symbol) for the CPU. None when that worked; else why not (a failed build is
     logged with the compiler's output; the registry logs every reason once)."""
+    if disabled():  # the user's choice first, then what the machine lacks
+        return f"{ENV}=0"
     if cpu_flag and cpu_flag not in runtime.cpu_flags():
         return f"no {cpu_flag}"
-    if disabled():
-        return f"{ENV}=0"
     cxx = _compiler()
     if cxx is None:
         return "no C++ compiler"

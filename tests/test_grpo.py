@@ -30,6 +30,7 @@ PROMPTS = f"chat:{ROOT}/data/sample_prompts.jsonl"
 def _config(**train):
     c = config_lib.from_file(os.path.join(ROOT, "configs", "grpo.py"))
     c.model.update(NARROW)
+    c.lora.update(rank=8, alpha=16.0, targets="q,k,v,o,gate_up,down")  # the LoRA path
     c.train.update(dict(steps=3, global_batch_size=8, log_every=1), **train)
     c.rl.update(group_size=4, max_prompt_tokens=96, max_new_tokens=16)
     c.data.source = PROMPTS

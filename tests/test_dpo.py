@@ -143,7 +143,10 @@ def _metrics(workdir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("rank", [8, pytest.param(0, marks=pytest.mark.full)], ids=["lora", "full"])
+# Both in the full tier (a minute or more each); the DPO loss and its gradient are checked
+# against float64 in the default tier (test_rl_losses.py).
+@pytest.mark.full
+@pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
 def test_dpo_starts_at_log_2_and_learns_the_preference(tmp_path, rank):
     """At step 1 the policy is its reference (zero adapters / the starting parameters), so
     every reward is 0 and the loss log 2; training then separates the held-out pairs."""

@@ -48,6 +48,7 @@ def _env(api_key: str | None = None) -> dict:
     return env
 
 
+@pytest.mark.full
 def test_without_max_context_it_serves_the_models_positions(tiny, tmp_path):
     port = local.free_port()
     cmd = [sys.executable, "-m", "gpt_oss_train.serve", f"--checkpoint={tiny}",

@@ -270,6 +270,7 @@ def test_bad_data_fails_before_any_compute(tmp_path, source, match, monkeypatch)
     )
 
 
+@pytest.mark.full
 def test_invalid_utf8_is_replaced_counted_and_trains(tmp_path, caplog):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -158,17 +158,32 @@ def default_config() -> ml_collections.ConfigDict:
             max_failed_saves=0,
         )
     )
+    c.dpo, c.rl = _post_training_defaults()
+    # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
+    c.lora = ml_collections.ConfigDict(
+        dict(
+            rank=0,
+            alpha=16.0,  # the adapters' output is scaled by alpha / rank
+            targets="q,k,v,o,gate_up,down",  # any of LORA_TARGETS, comma-separated
+            base_format="param_dtype",  # one of BASE_FORMATS
+        )
+    )
+    return c
+
+
+def _post_training_defaults() -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
+    """config.dpo and config.rl: the settings of train.objective "dpo" and "grpo"."""
     # Direct preference optimisation (train.objective="dpo"): the sigmoid loss of
     # -log sigmoid(beta * (chosen - rejected log-ratio to the reference)), with label
     # smoothing as cDPO. The reference is the base with the adapters off under LoRA, else
     # a frozen copy of the starting parameters.
-    c.dpo = ml_collections.ConfigDict(dict(beta=0.1, label_smoothing=0.0))
+    dpo = ml_collections.ConfigDict(dict(beta=0.1, label_smoothing=0.0))
     # GRPO (train.objective="grpo", rollouts.py): each step samples group_size
     # completions of global_batch_size / group_size prompts (data.source: a chat JSONL of
     # prompts, or rl:reasoning_gym:TASK) from the live policy, rewards them, and takes
     # num_iterations optimizer updates on the clipped objective with group-normalised
     # advantages.
-    c.rl = ml_collections.ConfigDict(
+    rl = ml_collections.ConfigDict(
         dict(
             group_size=4,  # completions per prompt
             max_prompt_tokens=256,  # longer prompts stop the run before the first rollout
@@ -190,16 +205,7 @@ def default_config() -> ml_collections.ConfigDict:
             num_iterations=1,
         )
     )
-    # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
-    c.lora = ml_collections.ConfigDict(
-        dict(
-            rank=0,
-            alpha=16.0,  # the adapters' output is scaled by alpha / rank
-            targets="q,k,v,o,gate_up,down",  # any of LORA_TARGETS, comma-separated
-            base_format="param_dtype",  # one of BASE_FORMATS
-        )
-    )
-    return c
+    return dpo, rl
 
 
 def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import difflib
 import functools
-import json
 from typing import NamedTuple
 
 import numpy as np
 
-from gpt_oss_train.errors import json_error
 from gpt_oss_train.io import storage
 from gpt_oss_train.training.sources import (
     DataError,
     _check_chat,
     _expand,
     _Replacements,
-    decode_utf8,
+    read_jsonl_line,
+    scan_jsonl,
 )
 
 EFFORTS = ("low", "medium", "high")
@@ -75,23 +74,9 @@ class ChatPrompts:
         self.paths, self.name = list(paths), name
         self.replacements = _Replacements()
         rows = []  # (file index, byte offset, line number)
-        for f_i, path in enumerate(self.paths):
-            offset, bad = 0, 0
-            with open(path, "rb") as f:
-                for line_no, raw in enumerate(f, 1):
-                    start, offset = offset, offset + len(raw)
-                    text, n_bad = decode_utf8(raw)
-                    bad += n_bad
-                    if not text.strip():
-                        continue  # blank lines (e.g. a trailing newline) are allowed
-                    where = f"{path}:{line_no}"
-                    try:
-                        obj = json.loads(text)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{where}: {json_error(e)}") from None
-                    _check_prompt(obj, where)
-                    rows.append((f_i, start, line_no))
-            self.replacements.note(path, bad)
+        for f_i, start, line_no, obj, where in scan_jsonl(self.paths, self.replacements):
+            _check_prompt(obj, where)
+            rows.append((f_i, start, line_no))
         if not rows:
             raise DataError(f"{name}: no prompts (the files hold no JSON lines)")
         self._rows = np.asarray(rows, np.int64)
@@ -101,9 +86,7 @@ class ChatPrompts:
 
     def __getitem__(self, i: int) -> PromptRecord:
         f_i, offset, line_no = (int(v) for v in self._rows[i])
-        with open(self.paths[f_i], "rb") as f:
-            f.seek(offset)
-            obj = json.loads(decode_utf8(f.readline())[0])
+        obj = read_jsonl_line(self.paths[f_i], offset)
         messages, effort = obj.pop("messages"), obj.pop("reasoning_effort", None)
         return PromptRecord(messages, obj, f"{self.paths[f_i]}:{line_no}", effort)
 

@@ -177,6 +177,35 @@ class TextFiles:
         return any(os.path.getsize(p) for p in self.paths)
 
 
+def scan_jsonl(paths: list[str], replacements: _Replacements):
+    """Yields (file index, byte offset, line number, object, "path:line") for each non-blank
+    line of JSONL files: decoded (invalid UTF-8 replaced, counted in `replacements`) and
+    parsed; a line that is not JSON is a DataError naming it."""
+    for f_i, path in enumerate(paths):
+        offset, bad = 0, 0
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                start, offset = offset, offset + len(raw)
+                text, n_bad = decode_utf8(raw)
+                bad += n_bad
+                if not text.strip():
+                    continue  # blank lines (e.g. a trailing newline) are allowed
+                where = f"{path}:{line_no}"
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: {json_error(e)}") from None
+                yield f_i, start, line_no, obj, where
+        replacements.note(path, bad)
+
+
+def read_jsonl_line(path: str, offset: int):
+    """The object on the line at `offset` of a file scan_jsonl checked."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return json.loads(decode_utf8(f.readline())[0])
+
+
 class JsonlFiles:
     """Lines of {"text": str} or {"messages": [...]}, or with `pairs_only` preference pairs
     ({"prompt", "chosen", "rejected"}). Every line is parsed and checked once here, so a bad
@@ -191,25 +220,11 @@ class JsonlFiles:
         file_idx, offsets, lines = [], [], []
         self.has_chat, self.has_pairs, self._pairs_only = False, pairs_only, pairs_only
         self._nonempty = 0
-        for f_i, path in enumerate(self.paths):
-            offset, bad = 0, 0
-            with open(path, "rb") as f:
-                for line_no, raw in enumerate(f, 1):
-                    start, offset = offset, offset + len(raw)
-                    text, n_bad = decode_utf8(raw)
-                    bad += n_bad
-                    if not text.strip():
-                        continue  # blank lines (e.g. a trailing newline) are allowed
-                    where = f"{path}:{line_no}"
-                    try:
-                        obj = json.loads(text)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{where}: {json_error(e)}") from None
-                    self._nonempty += self._check(obj, where, chat_only)
-                    file_idx.append(f_i)
-                    offsets.append(start)
-                    lines.append(line_no)
-            self.replacements.note(path, bad)
+        for f_i, start, line_no, obj, where in scan_jsonl(self.paths, self.replacements):
+            self._nonempty += self._check(obj, where, chat_only)
+            file_idx.append(f_i)
+            offsets.append(start)
+            lines.append(line_no)
         self._file = np.asarray(file_idx, np.int32)
         self._offset = np.asarray(offsets, np.int64)
         self._line = np.asarray(lines, np.int64)
@@ -241,9 +256,7 @@ class JsonlFiles:
 
     def __getitem__(self, i: int) -> str | Chat | PreferencePair:
         path = self.paths[self._file[i]]
-        with open(path, "rb") as f:
-            f.seek(int(self._offset[i]))
-            obj = json.loads(decode_utf8(f.readline())[0])
+        obj = read_jsonl_line(path, int(self._offset[i]))
         if self._pairs_only:
             where = f"{path}:{self._line[i]}"
             return PreferencePair(obj["prompt"], obj["chosen"], obj["rejected"], where)

@@ -170,7 +170,7 @@ class Rollouts:
         for prompt, completion, a in zip(prompts, done, adv):
             ids = prompt + completion.tokens
             mask = [0] * len(prompt) + [1] * len(completion.tokens)
-            row = data_lib._padded_row(ids, mask, seq_len)
+            row = data_lib.padded_row(ids, mask, seq_len)
             row["advantages"] = np.full(seq_len, a, np.float32)
             rows.append(row)
         local = {k: np.stack([r[k] for r in rows]) for k in rows[0]}

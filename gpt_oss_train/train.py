@@ -96,13 +96,13 @@ def check_objective_data(config, source) -> None:
             f"config.data.source: train.objective='dpo' needs preference pairs "
             f"(pairs:PATH.jsonl), got {config.data.source!r}"
         )
-    if pairs:
-        data_lib.check_pairs_fit(source, config.train.seq_len)
     if config.train.objective != "dpo" and pairs:
         raise ConfigError(
             f"config.data.source: {config.data.source!r} holds preference pairs; train them "
             "with train.objective='dpo' (configs/dpo.py)"
         )
+    if pairs:
+        data_lib.check_pairs_fit(source, config.train.seq_len)
 
 
 def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> tuple[dict, dict]:

@@ -89,7 +89,7 @@ def _has_pairs(example: dict[str, np.ndarray]) -> bool:
     return len(example["inputs"]) > 0  # an empty text is [eos] alone: nothing to predict
 
 
-def _padded_row(ids: list[int], mask: list[int], seq_len: int) -> dict[str, np.ndarray]:
+def padded_row(ids: list[int], mask: list[int], seq_len: int) -> dict[str, np.ndarray]:
     """One unpacked row: the document's example cut at seq_len, padded after."""
     ids, mask = np.asarray(ids, np.int32), np.asarray(mask, np.int32)
     n = min(len(ids) - 1, seq_len)
@@ -114,7 +114,7 @@ def pair_rows(pair: PreferencePair, seq_len: int) -> dict[str, np.ndarray]:
             ids, mask = tok.render_reply_for_training(pair.prompt, reply)
         except ValueError as e:
             raise DataError(f"{pair.where}: {e}") from None
-        rows.append(_padded_row(ids, mask, seq_len))
+        rows.append(padded_row(ids, mask, seq_len))
     return {k: np.stack([r[k] for r in rows]) for k in BATCH_KEYS}
 
 

@@ -41,8 +41,8 @@ class TrainSetup:
     # LoRA: the frozen base (training/lora.py); params, gradients and optimizer state are
     # then the adapters'. None: full fine-tuning.
     frozen: lora_training.FrozenBase | None = None
-    # Full-fine-tuning DPO: the reference policy, a frozen copy of the starting parameters
-    # (under LoRA the reference is the base with the adapters off: `frozen`).
+    # Full fine-tuning with DPO, or GRPO with rl.kl_coef > 0: the reference policy, a frozen
+    # copy of the starting parameters (under LoRA it is the base with the adapters off).
     reference: lora_training.FrozenBase | None = None
 
     @property

@@ -155,6 +155,7 @@ def _losses(kernels: str):
     return setup, state, losses
 
 
+@pytest.mark.full
 def test_xla_everywhere_trains_and_decodes_like_auto():
     """bfloat16 training runs every CPU kernel this machine has (the describe line says
     which); the losses of three AdamW steps stay within bfloat16's rounding of the

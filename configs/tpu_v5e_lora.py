@@ -1,7 +1,6 @@
 """QLoRA fine-tuning of gpt-oss on TPU v5e: the published MXFP4 experts kept frozen as
-they are (4.25 bits a weight, decoded one layer at a time inside the scan), bfloat16
-attention and embeddings, rank-16 adapters on attention and experts, sequence 2048,
-full remat, one sequence per chip.
+they are (4.25 bits a weight, decoded inside the layer scan), bfloat16 attention and
+embeddings, rank-16 adapters, full remat, one sequence per chip.
 
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e_lora.py:gpt-oss-20b \
       --topology=v5e:1x1
@@ -11,21 +10,34 @@ full remat, one sequence per chip.
   python -m gpt_oss_train.train --config=configs/tpu_v5e_lora.py:gpt-oss-20b --workdir=DIR \
       --config.checkpoint.init_from=/path/to/gpt-oss-20b --config.data.source=chat:FILE
 
-The argument picks the model and the slice it is sized for: gpt-oss-20b on one chip,
-gpt-oss-120b on v5e:2x4 (8 chips: experts 4 ways over `expert`, everything 2 ways FSDP).
+The argument picks the model and the slice it is sized for:
+
+  gpt-oss-20b   one chip (16 GiB). The frozen base alone is 12.8 GiB, so: adapters on
+                attention only (expert adapters and their Adam state would add 2 GiB),
+                sequences of 1024 tokens, and XLA's tiled grouped matmul, which decodes
+                one expert's weights at a time where megablox needs a layer's 32 experts
+                dense (1.5 GiB). Compiles to 15.81 GiB a chip.
+  gpt-oss-120b  v5e:2x4 (8 chips: experts 4 ways over `expert`, everything 2 ways FSDP),
+                adapters on attention and experts, sequences of 2048. Does not fit yet:
+                the expert-parallel buffers are sized for the worst routing.
+
 Measured figures: docs/PERFORMANCE.md, "LoRA / QLoRA memory".
 """
 
 from gpt_oss_train.config import default_config, model_preset
 
-# model -> (expert-parallel ways, chips it is sized for)
-SLICES = {"gpt-oss-20b": (1, 1), "gpt-oss-120b": (4, 8)}
+# model -> (expert-parallel ways, chips it is sized for, adapter targets, sequence length,
+#           grouped matmul: None for the platform's default)
+SLICES = {
+    "gpt-oss-20b": (1, 1, "q,k,v,o", 1024, "xla"),
+    "gpt-oss-120b": (4, 8, "q,k,v,o,gate_up,down", 2048, None),
+}
 
 
 def get_config(model: str = "gpt-oss-20b"):
     if model not in SLICES:
         raise ValueError(f"configs/tpu_v5e_lora.py:{model}: choose one of {sorted(SLICES)}")
-    expert, chips = SLICES[model]
+    expert, chips, targets, seq_len, grouped_matmul = SLICES[model]
     c = default_config()
     c.model = model_preset(model)
     c.dtype = "bfloat16"
@@ -35,11 +47,13 @@ def get_config(model: str = "gpt-oss-20b"):
     c.kernels.attention = "splash"
     c.moe_impl = "sharded"
     c.mesh.update(data=1, fsdp=-1, tensor=1, expert=expert)
-    c.lora.update(rank=16, alpha=32.0, targets="q,k,v,o,gate_up,down", base_format="mxfp4")
+    c.lora.update(rank=16, alpha=32.0, targets=targets, base_format="mxfp4")
+    if grouped_matmul:
+        c.kernels.grouped_matmul = grouped_matmul
     c.train.update(
         steps=1000,
-        global_batch_size=chips,  # one sequence of 2048 tokens per chip
-        seq_len=2048,
+        global_batch_size=chips,  # one sequence per chip
+        seq_len=seq_len,
         learning_rate=2e-4,
         warmup_steps=20,
         weight_decay=0.0,

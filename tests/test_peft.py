@@ -119,7 +119,8 @@ def test_mxfp4_base_kept_packed_equals_peft_on_its_dequantized_values(hf_base, t
     wi = base["blocks"]["sliding"]["moe"]["wi_gate"]
     assert isinstance(wi, mxfp4_array.MXFP4Array) and wi.blocks.dtype == jnp.uint8
     stored = ckpt4._tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")
-    assert np.array_equal(np.asarray(wi.blocks[0]), stored[:, 0::2])  # the file's bytes
+    file_form = mxfp4_array.to_file(np.asarray(wi.blocks[0]), np.asarray(wi.scales[0]))[0]
+    assert np.array_equal(file_form, stored[:, 0::2])  # the file's bytes
     adapters = random_adapters(mc)
     peft_io.save_peft(str(tmp_path / "ad"), mc.lora, adapters, arch["num_layers"])
     hf_dequant = transformers.GptOssForCausalLM.from_pretrained(

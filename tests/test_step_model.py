@@ -321,3 +321,32 @@ def test_a_bare_json_flag_means_stdout():
     assert _bare_json_to_stdout(["x", "--json", "--topology=v5e:2x2"])[1] == "--json=-"
     assert _bare_json_to_stdout(["x", "--json", "out.json"]) == ["x", "--json", "out.json"]
     assert _bare_json_to_stdout(["x", "--json=a.json"]) == ["x", "--json=a.json"]
+
+
+# XLA's memory-usage report (the form libtpu writes, shortened): the first table is the
+# temporaries; each table after it is one allocation of an argument.
+MEMORY_REPORT = """\
+Memory Space: default (color=0)
+Total bytes: 3221225472 (3.00GiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+    2.00GiB( 67%);    2.00GiB;            0;                3; 3×bf16[32,2880,2880]
+    2.50GiB( 83%);  512.00MiB;   2147483648;                1; f32[8192,2880]
+  The rest 12 values are less than 5% of the total size and not shown.
+
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+    1.52GiB(100%);    1.52GiB;            0;                1; u32[12,32,360,2880]
+
+Memory Space: 1 (color=1)
+Total bytes: 1024 (1.00KiB)
+"""
+
+
+def test_memory_report_lists_the_temporaries_only(tmp_path):
+    from gpt_oss_train.tools.aot_compile import memory_report
+
+    (tmp_path / "module_0001.jit_train_step.memory-usage-report.txt").write_text(MEMORY_REPORT)
+    total, rows = memory_report(str(tmp_path), 5)
+    assert total == 3 * 2**30
+    assert [r.split()[0] for r in rows] == ["2.00GiB", "512.00MiB"]  # not the argument's

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Mapping
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
 
+from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.arrays.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import tokenizer as tok_lib
@@ -614,7 +615,7 @@ def _shard_reader(ckpt: HFCheckpoint, p: str, dtype: Any, part=None, last=None):
                 last[key] = ckpt.read_mxfp4(p, layers)
             else:
                 last[key] = ckpt.read(p, layers) if stacked else ckpt.read(p)
-        block = last[key] if part is None else last[key][part]
+        block = last[key] if part is None else mxfp4_array.from_file(*last[key])[part]
         rest = index[1:] if stacked else index
         return np.asarray(block[(slice(None),) + rest if stacked else rest], dtype=dtype)
 

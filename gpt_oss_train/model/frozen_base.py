@@ -68,16 +68,14 @@ def convert(params: dict, fmt: str) -> dict:
     )
 
 
-def logical_axes(path: str, field: str | None, ndim: int) -> tuple[str | None, ...]:
-    """The logical axes of a base leaf, or of a packed leaf's field."""
+def logical_axes(path: str, field: str | None) -> tuple[str | None, ...]:
+    """The logical axes of a base leaf, or of a packed leaf's field (MXFP4 blocks and
+    scales keep the dense weight's axis order)."""
     decl, stacked = parameters.lookup(path)
     axes = (("layers",) if stacked else ()) + decl.axes
     if field == "scale":  # int8 scales: size 1 along the contraction axes
         drop = {a + int(stacked) for a in decl.contract}
         return tuple(None if i in drop else a for i, a in enumerate(axes))
-    if field in ("blocks", "scales"):  # MXFP4 [.., in, out] -> [.., out, in/32(, 16)]
-        *lead, a_in, a_out = axes
-        return (*lead, a_out, a_in, None)[:ndim]
     return axes
 
 
@@ -97,7 +95,7 @@ def abstract(dense_abstract: dict, fmt: str, mesh=None, rules=None) -> dict:
 
 def leaf_sharding(key_path, a, mesh, rules) -> jax.sharding.NamedSharding:
     path, field = _path(key_path)
-    spec = sharding.logical_to_spec(logical_axes(path, field, len(a.shape)), rules)
+    spec = sharding.logical_to_spec(logical_axes(path, field), rules)
     return jax.sharding.NamedSharding(mesh, sharding.fit_spec(spec, a.shape, mesh))
 
 

@@ -284,7 +284,9 @@ def verdict(r: dict, hbm_override_gib: float = 0.0) -> dict:
 def memory_report(dump_dir: str, n: int) -> tuple[int | None, list[str]]:
     """(bytes of all HBM buffers added up, the n largest with the values sharing each)
     from XLA's memory-usage report, which it writes even when the program does not fit.
-    Buffers live at different times share memory, so the sum exceeds the peak."""
+    Buffers live at different times share memory, so the sum exceeds the peak. Only the
+    report's first table, the temporaries: the tables after it are one allocation each
+    (the arguments, already listed apart), not buffers the program adds."""
     import glob
 
     reports = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*memory-usage-report.txt")))
@@ -300,6 +302,8 @@ def memory_report(dump_dir: str, n: int) -> tuple[int | None, list[str]]:
                 total = int(line.split()[2])
             # "cumulative (pct); size; offset; used_by_n_values; shapes_list"
             parts = [p.strip() for p in line.split(";")]
+            if not line.strip() and rows:
+                break  # the end of the temporaries' table
             if len(parts) == 5 and parts[0].endswith("%)"):
                 number = parts[1].rstrip("KMGiB")
                 size = float(number) * units[parts[1][len(number) :]]

@@ -1,7 +1,7 @@
 """The `moe_decode` op's `pallas_gpu` implementation: the decode expert kernels
 (decode_experts.py for dense weights, mxfp4_experts.py for MXFP4 ones). The kernels' layout
 is made inside the step from the model's [E, in, out] weights (a transpose of the layer's
-experts each call, or a padding of the MXFP4 blocks): selectable now, to be made the GPU
+experts each call, or of the MXFP4 blocks, padded): selectable now, to be made the GPU
 default once measured with the layout prepared at load instead."""
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from gpt_oss_train.arrays.mxfp4 import quantize_mxfp4
+from gpt_oss_train.arrays.mxfp4_array import MXFP4Array, to_file
 from gpt_oss_train.kernels.gpu import decode_experts as dex
 from gpt_oss_train.kernels.xla.experts import ExpertWeights
 
@@ -75,8 +76,10 @@ def from_dense(w: ExpertWeights) -> dex.DecodeExperts:
     )
 
 
-def _padded(blocks, scales):
-    """prepare_matrix in jax, for blocks/scales already on the device."""
+def _padded(w):
+    """prepare_matrix in jax, for an MXFP4Array already on the device: its blocks and
+    scales transposed back to the file's (out, in) order, then padded."""
+    blocks, scales = to_file(w.blocks, w.scales)
     e, o, g, _ = blocks.shape
     gp = -(-g // GROUP_TILE) * GROUP_TILE
     blocks = jnp.pad(blocks, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
@@ -85,14 +88,16 @@ def _padded(blocks, scales):
 
 
 def from_packed(w: ExpertWeights) -> dex.DecodeExperts:
-    """The model's packed experts (MXFP4Arrays, blocks [E, out, in/32, 16]) -> the
-    kernel's layout, gate and up rows stacked, inside the step."""
+    """The model's packed experts (MXFP4Arrays, blocks [E, in/8, out]) -> the kernel's
+    layout (the layer's blocks transposed each call), gate and up rows stacked."""
     gate_up = _padded(
-        jnp.concatenate([w.wi_gate.blocks, w.wi_up.blocks], axis=1),
-        jnp.concatenate([w.wi_gate.scales, w.wi_up.scales], axis=1),
+        MXFP4Array(
+            jnp.concatenate([w.wi_gate.blocks, w.wi_up.blocks], axis=2),
+            jnp.concatenate([w.wi_gate.scales, w.wi_up.scales], axis=2),
+        )
     )
     bias = jnp.concatenate([w.bi_gate, w.bi_up], axis=1).astype(jnp.float32)
-    down = _padded(w.wo.blocks, w.wo.scales)
+    down = _padded(w.wo)
     return dex.DecodeExperts(gate_up, bias, down, w.bo.astype(jnp.float32))
 
 

@@ -94,6 +94,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.remat_policy = "full"  # one of REMAT_POLICIES
     c.attention_block = 512  # query block of the blockwise attention
     c.moe_impl = "ragged"  # one of MOE_IMPLS
+    # moe_impl="sharded" with its tokens gathered: > 0 runs each shard's rows in rounds of
+    # this multiple of its share under balanced routing (still exact: rounds continue to
+    # the last row); 0 sizes one pass for the worst routing (every pair on one shard).
+    c.moe_capacity_factor = 0.0
     c.seed = 0
     # Per operation: "auto" (the platform's default), "xla" (the reference) or the name of
     # an implementation in kernels/registry.py.
@@ -305,6 +309,7 @@ class ModelConfig:
     remat_policy: str = "full"
     attention_block: int = 512
     moe_impl: str = "ragged"
+    moe_capacity_factor: float = 0.0
     lora: LoraSpec | None = None  # adapters the network carries (None: none)
     kernels: Kernels = Kernels()  # the implementation of each operation ("auto": platform's)
 
@@ -357,6 +362,11 @@ def validate(config: ml_collections.ConfigDict):
             )
     _check(
         config.dtype in COMPUTE_DTYPES, "dtype", f"{config.dtype!r} is not one of {COMPUTE_DTYPES}"
+    )
+    _check(
+        config.moe_capacity_factor >= 0,
+        "moe_capacity_factor",
+        f"{config.moe_capacity_factor} must be >= 0 (0: one pass sized for the worst routing)",
     )
     _check(
         config.param_dtype in DTYPES,

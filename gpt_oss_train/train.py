@@ -140,10 +140,15 @@ class StepLogger:
         t = setup.config.train
         self.t, self.writer, self.start = t, writer, start
         self.tokens_per_step = t.global_batch_size * t.seq_len
-        self.flops_per_token = flops_lib.training_flops_per_token(setup.model_cfg, t.seq_len)
+        rl = setup.config.rl
+        passes = flops_lib.forward_passes_per_step(
+            t.objective, num_iterations=rl.num_iterations, kl=bool(rl.kl_coef)
+        )
+        forward = flops_lib.forward_flops_per_token(setup.model_cfg, t.seq_len)["total"]
+        self.flops_per_token = forward * passes
         kind = sharding.device(setup.mesh).device_kind
         self.peak = hardware.peak_flops(kind, t.peak_flops_per_device or None)
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_rollout_s = time.perf_counter(), 0, 0.0
         self.losses: dict[int, float] = {}
 
     def due(self, step: int) -> bool:
@@ -151,6 +156,7 @@ class StepLogger:
 
     def after_step(self, step: int, out, skipped_steps: int = 0) -> None:
         self.window_steps += 1
+        self.window_rollout_s += out.get("rollout_s", 0.0)  # GRPO: the engine's share
         if not self.due(step):
             return
         out = jax.device_get(out)
@@ -159,18 +165,20 @@ class StepLogger:
             scalars["skipped_steps"] = skipped_steps
         if step > self.start + 1:
             elapsed = time.perf_counter() - self.window_start
-            scalars.update(
-                flops_lib.throughput_metrics(
-                    step_time_s=elapsed / self.window_steps,
-                    tokens_per_step=self.tokens_per_step,
-                    num_devices=jax.device_count(),
-                    flops_per_token=self.flops_per_token["total"],
-                    peak=self.peak,
-                )
+            perf = lambda seconds: flops_lib.throughput_metrics(
+                step_time_s=seconds / self.window_steps,
+                tokens_per_step=self.tokens_per_step,
+                num_devices=jax.device_count(),
+                flops_per_token=self.flops_per_token,
+                peak=self.peak,
             )
+            scalars.update(perf(elapsed))
+            if self.window_rollout_s:  # the learner alone: the step less its rollouts
+                learner = perf(max(elapsed - self.window_rollout_s, 1e-9))
+                scalars.update({k.replace("perf/", "perf/learner_"): v for k, v in learner.items()})
         self.writer.write(step, scalars)
         self.losses[step] = scalars["loss"]
-        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_start, self.window_steps, self.window_rollout_s = time.perf_counter(), 0, 0.0
 
 
 @dataclasses.dataclass

@@ -48,6 +48,7 @@ CASES = {
     "mesh vs devices": (["--config.mesh.fsdp=3"], "config.mesh"),
     "heads vs kv heads": (["--config.model.num_kv_heads=3"], "not divisible by num_kv_heads=3"),
     "non-finite limit": (["--config.train.max_nonfinite_steps=0"], "max_nonfinite_steps"),
+    "negative capacity": (["--config.moe_capacity_factor=-1.0"], "config.moe_capacity_factor"),
     "unknown kernel": (
         ["--config.kernels.attention=nope"],
         "config.kernels.attention: 'nope' is not one of ('auto', 'xla', 'blockwise'",
@@ -123,3 +124,17 @@ def test_train_cli_reports_a_user_error_in_one_line(case, results):
     assert CASES[case][1] in lines[0]
     assert " at at " not in lines[0]
     assert not os.path.exists(workdir), os.listdir(workdir)  # nothing left behind
+
+
+SHIPPED = [(name, None) for name in sorted(os.listdir(os.path.join(ROOT, "configs")))] + [
+    ("tpu_v5e_lora.py", "gpt-oss-120b"), ("tpu_v5p.py", "gpt-oss-20b"),
+    ("tpu_v6e.py", "gpt-oss-120b"), ("tpu_v5e.py", "gpt-oss-120b"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,arg", SHIPPED)
+def test_every_shipped_config_passes_validation(name, arg):
+    from gpt_oss_train import config as config_lib
+
+    c = config_lib.from_file(os.path.join(ROOT, "configs", name), arg)
+    config_lib.validate(c)

@@ -219,6 +219,17 @@ def test_peak_override_and_mfu():
     assert perf["perf/mfu"] == pytest.approx(0.4096)
 
 
+def test_forward_passes_per_step_by_objective():
+    from gpt_oss_train.training.flops import forward_passes_per_step as passes
+
+    assert passes("lm") == 3  # forward + backward (2 forwards)
+    assert passes("dpo") == 4  # + the reference's forward
+    assert passes("grpo") == 3  # one update, the sampling log-probs are the policy's own
+    assert passes("grpo", kl=True) == 4  # + the reference's log-probs
+    # 2 updates with the KL: 2 x (3 + 1), + the sampling policy's log-probs once
+    assert passes("grpo", num_iterations=2, kl=True) == 9
+
+
 def test_mfu_is_none_on_cpu():
     jax = pytest.importorskip("jax")
     kind = jax.devices("cpu")[0].device_kind

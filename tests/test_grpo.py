@@ -191,6 +191,13 @@ def test_sigterm_then_resume_gives_the_uninterrupted_rewards_and_losses(tmp_path
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(_per_step(full)) == list(range(1, 9)), done.stderr[-6000:]
+    # the learner's throughput beside the whole step's: the step less its rollout
+    timed = [r for r in _metrics(full) if "perf/learner_step_time_seconds" in r]
+    assert len(timed) == 7, timed  # every step after the first (compilation)
+    for r in timed:
+        assert 0 < r["perf/learner_step_time_seconds"] < r["perf/step_time_seconds"], r
+        assert (r["perf/learner_per_device_tokens_per_sec"]
+                > r["perf/per_device_tokens_per_sec"]), r  # fmt: skip
     cmd, env = _cli(cut)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -346,6 +346,44 @@ def test_sharded_gradients_on_an_expert_mesh_equal_dense(exchange):
             )
 
 
+@pytest.mark.parametrize("routing", ["routed", "all_on_one_shard"])
+def test_capacity_rounds_equal_one_pass_with_gradients(routing):
+    """config.moe_capacity_factor: a shard's rows run in rounds of a capacity (here 1/2
+    and 1x the balanced share, so several rounds run; with every pair on one shard, that
+    shard needs 4x its share and the others none) and give the one-pass outputs and
+    gradients."""
+    x, kernel, bias, w = _moe_inputs(t=64)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
+    if routing == "all_on_one_shard":  # experts 0 and 1 live on the first of 4 shards
+        idx = jnp.stack([jnp.zeros(64, jnp.int32), jnp.ones(64, jnp.int32)], axis=1)
+    ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
+
+    def run(capacity_factor):
+        fn = functools.partial(moe_lib.sharded_experts, capacity_factor=capacity_factor)
+        loss = lambda x, wts, ew: jnp.sum(jnp.sin(fn(x, wts, idx, ew, dtype=jnp.float32, **GLU)))
+        y = fn(f32(x), weights, idx, ew, dtype=jnp.float32, **GLU)
+        return y, jax.grad(loss, argnums=(0, 1, 2))(f32(x), weights, ew)
+
+    mesh = sharding.make_mesh(dict(data=2, fsdp=1, tensor=1, expert=4))
+    with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
+        want = jax.jit(lambda: run(0.0))()
+        jaxpr = str(jax.make_jaxpr(lambda: run(0.5))())
+        assert "cond[" in jaxpr and "scan[" in jaxpr  # the rounds, each skippable
+        for factor in (0.5, 1.0):
+            got = jax.jit(lambda: run(factor))()
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
+
+
+def test_capacity_is_whole_tiles():
+    from gpt_oss_train.kernels.xla.expert_parallel import round_capacity
+
+    assert [round_capacity(r) for r in (0, 1, 8, 9, 128, 129, 1000.5)] == [
+        0, 8, 8, 16, 128, 256, 1024,
+    ]  # fmt: skip
+
+
 def test_tpu_megablox_grouped_matmul_and_its_gradients_equal_the_reference():
     """The TPU's grouped matmul (Pallas megablox, here in its interpreter): the product and
     both gradients, the weight's computed group by group, against the XLA reference, with

@@ -350,3 +350,11 @@ def test_memory_report_lists_the_temporaries_only(tmp_path):
     total, rows = memory_report(str(tmp_path), 5)
     assert total == 3 * 2**30
     assert [r.split()[0] for r in rows] == ["2.00GiB", "512.00MiB"]  # not the argument's
+
+
+def test_maxtext_names_a_slice_by_its_chips_or_cores():
+    from gpt_oss_train.tools.maxtext_compile import maxtext_topology
+
+    assert maxtext_topology("v5e:16x16") == "v5e-256"
+    assert maxtext_topology("v6e:8x8") == "v6e-64"
+    assert maxtext_topology("v5p:8x8x8") == "v5p-1024"  # two TensorCores a chip

@@ -102,14 +102,15 @@ class Kernels:
         return None
 
     def expert_parallel(self, experts, x, wts, idx, *, local_e, expert_axes, token_axes,
-                        mlp_axes):  # fmt: skip
+                        mlp_axes, capacity_factor=0.0):  # fmt: skip
         """Inside shard_map: this device's tokens x [t, d] (weights, experts [t, k]) through
         their experts, sharded `local_e` a device over `expert_axes`, by
         `experts(rows, key, group_sizes)` (kernels/xla/expert_parallel.py) -> float32
-        [t, d], summed over the tensor (`mlp_axes`) shards."""
+        [t, d], summed over the tensor (`mlp_axes`) shards. capacity_factor > 0: rows in
+        rounds of that multiple of a shard's balanced share (config.moe_capacity_factor)."""
         return self._run("expert_parallel", experts, x, wts, idx, local_e=local_e,
                          expert_axes=expert_axes, token_axes=token_axes,
-                         mlp_axes=mlp_axes)  # fmt: skip
+                         mlp_axes=mlp_axes, capacity_factor=capacity_factor)  # fmt: skip
 
     def matmul(self, spec, x, w, *, dtype):
         """einsum(spec, x, w) in `dtype`, float32 results: x's dimensions after [b, s]

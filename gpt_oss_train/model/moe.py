@@ -252,7 +252,7 @@ def _fsdp_gathers(w: ExpertWeights, spec, mesh, taken: tuple[str, ...]) -> dict:
     return out
 
 
-def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers):
+def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, capacity_factor):
     """One device's part of `sharded_experts`, inside shard_map: its tokens through the
     experts they chose, wherever those live (the `expert_parallel` op moves them)."""
     exp_axes, mlp_axes, token_axes = axes
@@ -269,14 +269,24 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers):
         return jnp.where((key < local_e)[:, None], y + jnp.where(add_bias, bias, 0.0), 0.0)
 
     return kernels.expert_parallel(experts, x, wts, idx, local_e=local_e, expert_axes=exp_axes,
-                                   token_axes=token_axes, mlp_axes=mlp_axes)  # fmt: skip
+                                   token_axes=token_axes, mlp_axes=mlp_axes,
+                                   capacity_factor=capacity_factor)  # fmt: skip
 
 
 def sharded_experts(
-    x_td, weights_tk, idx_tk, w: ExpertWeights, *, limit, alpha, dtype, kernels=AUTO_KERNELS
+    x_td,
+    weights_tk,
+    idx_tk,
+    w: ExpertWeights,
+    *,
+    limit,
+    alpha,
+    dtype,
+    kernels=AUTO_KERNELS,
+    capacity_factor=0.0,
 ):
     """Expert parallelism under shard_map (see module docstring). Falls back to `ragged`
-    without an active mesh."""
+    without an active mesh. capacity_factor: config.moe_capacity_factor."""
     ffn = dict(limit=limit, alpha=alpha, dtype=dtype)
     ctx = sharding.active()
     if ctx is None:
@@ -311,6 +321,7 @@ def sharded_experts(
     local = lambda x, wts, idx, lw: _local_experts(
         kernels, x, wts, idx, lw, axes=(exp_axes, mlp_axes, token_axes),
         local_e=num_experts // n_exp_shards, ffn=ffn, gathers=gathers,
+        capacity_factor=capacity_factor,
     )  # fmt: skip
     fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs),
                        out_specs=tok, check_vma=False)  # fmt: skip

@@ -256,6 +256,7 @@ class MoE(nnx.Module):
             self.bo[...],
             self.expert_lora(adapter_ids, s),
         )
+        sharded = {"capacity_factor": cfg.moe_capacity_factor} if cfg.moe_impl == "sharded" else {}
         y = moe_lib.EXPERT_IMPLS[cfg.moe_impl](
             x,
             weights,
@@ -265,6 +266,7 @@ class MoE(nnx.Module):
             alpha=cfg.swiglu_alpha,
             dtype=DTYPES[cfg.dtype],
             kernels=cfg.kernels,
+            **sharded,
         )
         return y.reshape(b, s, d).astype(DTYPES[cfg.dtype]), aux
 

@@ -116,6 +116,20 @@ def training_flops_per_token(m: Any, seq_len: int) -> dict[str, float]:
     return {key: 3.0 * value for key, value in fwd.items()}
 
 
+def forward_passes_per_step(objective: str, *, num_iterations: int = 1, kl: bool = False) -> int:
+    """Forward passes' worth of model FLOPs one train step spends on each token of its
+    batch, the backward counted as two (MaxText's 3x): language modelling 3; DPO 3 + 1,
+    the reference's forward; GRPO 3 per optimizer update (rl.num_iterations), + 1 per
+    update for the reference's log-probs with a KL term, + 1 for the sampling policy's
+    log-probs taken before several updates. GRPO's rollouts (the engine's generation)
+    are not in the step's figure: rollouts.py times them apart."""
+    if objective == "dpo":
+        return 4
+    if objective == "grpo":
+        return num_iterations * (3 + int(kl)) + int(num_iterations > 1)
+    return 3
+
+
 def mfu(flops_per_sec_per_device: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation as a fraction (0..1), or None without a peak."""
     if peak is None or peak <= 0:

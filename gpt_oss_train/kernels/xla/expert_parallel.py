@@ -12,8 +12,11 @@ what crosses the links, per device with t tokens, k choices, n expert shards of 
               all-to-all of ~(n - 1)/n t k d, and back. k / n of gather's bytes: for
               gpt-oss-120b (k 4) over 16 expert shards, a quarter.
 
-Buffers are sized for the worst case (every pair on one shard: n t k rows), as gather's
-sorted pairs are, so no token is ever dropped.
+Buffers are sized for the worst case (every pair on one shard: n t k rows), so no token
+is ever dropped. `gather` can instead run its rows in rounds of a capacity, a multiple
+(`capacity_factor`) of a shard's share under balanced routing: still exact, since the
+rounds continue until every row of this shard has run (a round past the last row is
+skipped), with buffers of the capacity, not of the worst case.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import jax.numpy as jnp
 from gpt_oss_train import sharding
 
 
-def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
+def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
+           capacity_factor=0.0):  # fmt: skip
     """x [t, d], wts / idx [t, k] this device's tokens -> their outputs float32 [t, d]."""
     for ax in token_axes:
         x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
@@ -33,8 +37,12 @@ def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
     key = jnp.where((flat >= 0) & (flat < local_e), flat, local_e)  # not mine: at the end
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
-    y = experts(x[order // k], key[order], group_sizes)
-    out = _weighted_sum(wts, y, order)
+    capacity = round_capacity(capacity_factor * t * k / sharding.axes_size(expert_axes))
+    if 0 < capacity < t * k:
+        out = _in_rounds(experts, x, wts, key, order, group_sizes, capacity)
+    else:
+        y = experts(x[order // k], key[order], group_sizes)
+        out = _weighted_sum(wts, y, order)
     if mlp_axes:
         out = jax.lax.psum(out, mlp_axes)
     for ax in reversed(token_axes):
@@ -43,8 +51,50 @@ def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
     return jax.lax.psum(out, others) if others else out  # experts over a non-token axis
 
 
-def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
-    """As `gather`, exchanging only the pairs each shard computes (see the docstring)."""
+def round_capacity(rows: float) -> int:
+    """Rows of a round: at least `rows`, in whole tiles (128 rows; 8 below that)."""
+    tile = 128 if rows > 128 else 8
+    return int(-(-rows // tile) * tile) if rows > 0 else 0
+
+
+def _in_rounds(experts, x, wts, key, order, group_sizes, capacity):
+    """`gather`'s sorted rows through `experts` `capacity` at a time -> float32 [t, d].
+
+    Rounds run over the sorted pairs in order and stop mattering at the last row this
+    shard holds (sum(group_sizes)): a round that starts past it is skipped. Each round is
+    rematerialized in the backward pass, so one round's activations are live at a time."""
+    t, k = wts.shape
+    rows = t * k
+    rounds = -(-rows // capacity)
+    pad = rounds * capacity - rows
+    local_e = group_sizes.shape[0]
+    key_s = jnp.pad(key[order], (0, pad), constant_values=local_e)  # padding: not mine
+    token_s = jnp.pad(order // k, (0, pad))
+    weight_s = jnp.pad(wts.reshape(-1)[order].astype(jnp.float32), (0, pad))
+    mine = group_sizes.sum()
+    window = lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, capacity)
+
+    @jax.checkpoint
+    def contribution(start):
+        keys = window(key_s, start)
+        sizes = jnp.bincount(keys, length=local_e + 1)[:local_e].astype(jnp.int32)
+        y = experts(x[window(token_s, start)], keys, sizes)
+        return window(weight_s, start)[:, None] * y
+
+    def one_round(out, r):
+        start = r * capacity
+        skip = lambda start: jnp.zeros((capacity, x.shape[1]), jnp.float32)
+        y = jax.lax.cond(start < mine, contribution, skip, start)
+        return out.at[window(token_s, start)].add(y), None
+
+    out, _ = jax.lax.scan(one_round, jnp.zeros((t, x.shape[1]), jnp.float32), jnp.arange(rounds))
+    return out
+
+
+def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
+               capacity_factor=0.0):  # fmt: skip
+    """As `gather`, exchanging only the pairs each shard computes (see the docstring). Its
+    receive buffer stays sized for the worst case: `capacity_factor` is not used here."""
     t, k = idx.shape
     n = sharding.axes_size(expert_axes)
     pairs = t * k  # the most rows one device sends to, or gets back from, another
@@ -76,7 +126,8 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     return jax.lax.psum(out, mlp_axes) if mlp_axes else out
 
 
-def all_to_all_accepts(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes):
+def all_to_all_accepts(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
+                       capacity_factor=0.0):  # fmt: skip
     """Tokens sharded over every expert axis (else each shard must see them all: gather),
     on a platform whose compiler takes the exchange (libtpu refuses ragged all-to-all on
     v5e: "not supported in limited ICI routing settings")."""

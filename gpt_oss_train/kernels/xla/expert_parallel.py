@@ -74,18 +74,24 @@ def _in_rounds(experts, x, wts, key, order, group_sizes, capacity):
     mine = group_sizes.sum()
     window = lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, capacity)
 
-    @jax.checkpoint
-    def contribution(start):
+    def run(start):
         keys = window(key_s, start)
         sizes = jnp.bincount(keys, length=local_e + 1)[:local_e].astype(jnp.int32)
         y = experts(x[window(token_s, start)], keys, sizes)
         return window(weight_s, start)[:, None] * y
 
+    # The checkpoint outside the conditional: its residuals are then its inputs, the
+    # round's start and the loop's constants (the tokens, this layer's experts), which the
+    # scan keeps once; inside, the branch's inputs would leave the conditional as
+    # residuals and be stacked once per round.
+    @jax.checkpoint
+    def contribution(start):
+        skip = lambda start: jnp.zeros((capacity, x.shape[1]), jnp.float32)
+        return jax.lax.cond(start < mine, run, skip, start)
+
     def one_round(out, r):
         start = r * capacity
-        skip = lambda start: jnp.zeros((capacity, x.shape[1]), jnp.float32)
-        y = jax.lax.cond(start < mine, contribution, skip, start)
-        return out.at[window(token_s, start)].add(y), None
+        return out.at[window(token_s, start)].add(contribution(start)), None
 
     out, _ = jax.lax.scan(one_round, jnp.zeros((t, x.shape[1]), jnp.float32), jnp.arange(rounds))
     return out

@@ -239,8 +239,8 @@ def test_frozen_base_formats_keep_logits_close_and_shard_like_dense(fmt):
     moe = lambda t: t["blocks"]["full"]["moe"]
     if fmt == "mxfp4":
         wi = moe(abstract)["wi_gate"]
-        assert isinstance(wi, mxfp4_array.MXFP4Array) and wi.blocks.dtype == jnp.uint8
-        assert wi.blocks.shape == (1, 4, 32, 32)  # [layers, E, in/2, out=F]
+        assert isinstance(wi, mxfp4_array.MXFP4Array) and wi.blocks.dtype == jnp.uint32
+        assert wi.blocks.shape == (1, 4, 8, 32)  # [layers, E, in/8 words, out=F]
         assert wi.blocks.sharding.spec[1] == "expert"  # blocks shard over experts
     nbytes, dense_bytes = frozen_base.nbytes(packed), frozen_base.nbytes(base)
     assert nbytes < {"bfloat16": 0.51, "int8": 0.45, "mxfp4": 0.5}[fmt] * dense_bytes

@@ -117,7 +117,7 @@ def test_mxfp4_base_kept_packed_equals_peft_on_its_dequantized_values(hf_base, t
     config.lora.base_format = "mxfp4"
     mc, base = load_base(config, mxfp4_dir)
     wi = base["blocks"]["sliding"]["moe"]["wi_gate"]
-    assert isinstance(wi, mxfp4_array.MXFP4Array) and wi.blocks.dtype == jnp.uint8
+    assert isinstance(wi, mxfp4_array.MXFP4Array) and wi.blocks.dtype == jnp.uint32
     stored = ckpt4._tensor("model.layers.0.mlp.experts.gate_up_proj_blocks")
     file_form = mxfp4_array.to_file(np.asarray(wi.blocks[0]), np.asarray(wi.scales[0]))[0]
     assert np.array_equal(file_form, stored[:, 0::2])  # the file's bytes

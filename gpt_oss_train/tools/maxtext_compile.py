@@ -139,9 +139,10 @@ if __name__ == "__main__":
     flags.DEFINE_string("topology", "v5e:16x16", "TPU slice as libtpu names it")
     flags.DEFINE_string("json", "", "also write the result as JSON to this path (- : stdout)")
     flags.DEFINE_multi_string("settings", [], "MaxText key=value settings (or after --)")
-    # MaxText's own settings follow `--`: absl leaves them in argv for us.
+    # MaxText's own key=value settings follow `--` (flags there, --helpfull, stay ours).
     if "--" in sys.argv:
         cut = sys.argv.index("--")
-        sys.argv, extra = sys.argv[:cut], sys.argv[cut + 1 :]
-        sys.argv += [f"--settings={s}" for s in extra]
+        head, extra = sys.argv[:cut], sys.argv[cut + 1 :]
+        ours = [a for a in extra if a.startswith("--")]
+        sys.argv = head + ours + [f"--settings={a}" for a in extra if not a.startswith("--")]
     app.run(main)

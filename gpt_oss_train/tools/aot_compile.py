@@ -583,6 +583,16 @@ def _define_flags():
     )
 
 
+def emit(r: dict, text: str, json_flag: str) -> None:
+    """The report, then the result as one JSON line (and to the --json file). --json=-:
+    stdout is only that JSON object, for scripts; the report goes to stderr."""
+    print(text, file=sys.stderr if json_flag == "-" else sys.stdout)
+    print(json.dumps(r, default=str), flush=True)
+    if json_flag and json_flag != "-":
+        with open(json_flag, "w") as out:
+            json.dump(r, out, indent=2, default=str)
+
+
 def main(argv):
     del argv
     f = flags.FLAGS
@@ -594,12 +604,7 @@ def main(argv):
         f.top_buffers,
         f.dump_dir,
     )
-    # --json=-: stdout is one JSON object, for scripts; the report still reaches a person.
-    print(report(r), file=sys.stderr if f.json == "-" else sys.stdout)
-    print(json.dumps(r), flush=True)
-    if f.json and f.json != "-":
-        with open(f.json, "w") as out:
-            json.dump(r, out, indent=2)
+    emit(r, report(r), f.json)
     if r["fits"] is False:
         sys.exit(1)
 

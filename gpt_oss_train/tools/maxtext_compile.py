@@ -20,16 +20,12 @@ prints the whole result as one JSON object.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 from absl import app, flags
 
 from gpt_oss_train.tools import aot_compile
-
-# libtpu's names for a topology's chip -> MaxText's compile_topology prefix
-_MAXTEXT_CHIP = {"v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "v4": "v4"}
 
 
 def maxtext_topology(topology: str) -> str:
@@ -40,7 +36,7 @@ def maxtext_topology(topology: str) -> str:
     for n in shape.split("x"):
         chips *= int(n)
     cores = 2 if chip in ("v4", "v5p") else 1
-    return f"{_MAXTEXT_CHIP[chip]}-{chips * cores}"
+    return f"{chip}-{chips * cores}"
 
 
 def compile_maxtext(maxtext_src: str, model: str, topology: str, settings: list[str]):
@@ -122,15 +118,7 @@ def main(argv):
     f = flags.FLAGS
     compiled, mesh, config = compile_maxtext(f.maxtext, f.model, f.topology, f.settings or [])
     r = account(f.model, f.topology, compiled, mesh, config)
-    if f.json != "-":
-        print(report(r))
-    if f.json:
-        text = json.dumps(r, default=str)
-        if f.json == "-":
-            print(text)
-        else:
-            with open(f.json, "w") as out:
-                out.write(text + "\n")
+    aot_compile.emit(r, report(r), f.json)
 
 
 if __name__ == "__main__":

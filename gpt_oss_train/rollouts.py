@@ -46,6 +46,20 @@ def sample_seed(seed: int, step: int, row: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{row}".encode())
 
 
+def engine_options(config) -> EngineOptions:
+    """The rollout engine's shape: a slot for every row of the batch, each as long as a
+    prompt plus its completion (tools/aot_compile.py compiles the same for a TPU slice)."""
+    rl, rows = config.rl, config.train.global_batch_size
+    chunk = -(-min(256, rl.max_prompt_tokens) // PREFILL_BLOCK) * PREFILL_BLOCK
+    return EngineOptions(
+        max_slots=rows,
+        max_context=rl.max_prompt_tokens + rl.max_new_tokens,
+        prefill_chunk=chunk,
+        prefix_cache_tokens=0,  # the weights change every step
+        max_queue=rows,
+    )
+
+
 def prompt_pipeline(source, prompts_per_step: int, seed: int) -> data_lib.Pipeline:
     """Prompts in a new shuffled order each epoch, prompts_per_step a batch, forever; its
     iterator is checkpointed with the run like a data pipeline's."""
@@ -102,16 +116,7 @@ class Rollouts:
         if self.engine is None:
             s = self.setup
             model = loading.LoadedModel(s.model_def, params, s.mesh, s.rules, "train", "", self.c)
-            context = self.rl.max_prompt_tokens + self.rl.max_new_tokens
-            chunk = -(-min(256, self.rl.max_prompt_tokens) // PREFILL_BLOCK) * PREFILL_BLOCK
-            opts = EngineOptions(
-                max_slots=self.c.train.global_batch_size,
-                max_context=context,
-                prefill_chunk=chunk,
-                prefix_cache_tokens=0,  # the weights change every step
-                max_queue=self.c.train.global_batch_size,
-            )
-            self.engine = Engine(model, opts)
+            self.engine = Engine(model, engine_options(self.c))
         self.engine.model.params = params
         return self.engine
 

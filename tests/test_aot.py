@@ -150,3 +150,50 @@ def test_experts_take_a_ragged_all_to_all_where_libtpu_compiles_one(tmp_path):
         kinds[topology] = r["step_model"]["collectives_by_kind"]
     assert kinds["v5p:2x2x1"]["ragged-all-to-all"]["runs"] >= 4, kinds  # 2 layers, in and out
     assert "ragged-all-to-all" not in kinds["v5e:2x2"], kinds
+
+
+def test_engine_decode_compiles_with_its_cache_donated(tmp_path):
+    # The serving engine's decode step over 4 slots of 128 positions with MXFP4 experts:
+    # the cache is an argument updated in place, the weights are in the asked form.
+    proc, r = _run(tmp_path, "--program=decode", "--weights=mxfp4", "--slots=4", "--context=128")
+    assert r is not None and r["error"] is None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert r["program"] == "decode" and r["weights"] == "mxfp4", r
+    assert r["shape"] == {"slots": 4, "context": 128, "chunk": 128, "int8_kv_cache": False}, r
+    # Keys and values of 2 layers (one full: 128 slots; one banded: a ring of the 128-token
+    # chunk), 4 rows over the 4 chips (fsdp 2 x expert 2), 2 KV heads of 16, bfloat16.
+    kv = 2 * 2 * (4 // 4) * 128 * 2 * 16 * 2
+    assert kv <= r["kv_cache_bytes_per_device"] <= 2 * kv, r  # + each slot's position ids
+    assert r["aliased_bytes"] >= r["kv_cache_bytes_per_device"], r  # donated, written in place
+    assert r["arguments_bytes"] >= r["weights_bytes_per_device"] + r["kv_cache_bytes_per_device"]
+    # One token a row: the model estimate is 4 tokens' forward at 128 keys, over 4 chips.
+    assert r["tokens_per_step"] == 4, r
+    assert r["estimate"]["step_s"] > 0, r["estimate"]
+    assert "decode step of 4 rows" in proc.stdout and "tokens/s for the slice" in proc.stdout
+
+
+def test_grpo_program_adds_up_both_phases(tmp_path):
+    # A LoRA GRPO step: the learner's train step and the rollout engine's decode and
+    # prefill on the base + adapters, and what each phase holds at once.
+    proc, r = _run(
+        tmp_path,
+        "--program=grpo",
+        "--config.train.objective=grpo",
+        "--config.lora.rank=4",
+        "--config.rl.group_size=2",
+        "--config.rl.max_prompt_tokens=64",
+        "--config.rl.max_new_tokens=64",
+    )
+    assert r is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    learner, decode, prefill, p = r["learner"], r["decode"], r["prefill"], r["phases"]
+    assert all(x["error"] is None for x in (learner, decode, prefill)), r
+    assert decode["shape"]["slots"] == 4 and decode["shape"]["context"] == 128, decode
+    assert decode["weights"] == learner["frozen_format"] == "param_dtype", decode
+    assert p["learning"] == learner["total_bytes"] + decode["kv_cache_bytes_per_device"], p
+    assert p["rollout"] == max(decode["total_bytes"], prefill["total_bytes"]) + p["beside_engine"]
+    assert p["beside_engine"] > 0, p  # the adapters' Adam moments stay while the engine runs
+    e = r["rollout_estimate"]
+    # 4 rows x one 64-token chunk each, then 64 decode steps, then the learner's step
+    assert e["prefill_s"] == pytest.approx(4 * prefill["estimate"]["step_s"]), e
+    assert e["decode_s"] == pytest.approx(64 * decode["estimate"]["step_s"]), e
+    assert e["grpo_step_s"] == pytest.approx(e["rollout_s"] + learner["estimate"]["step_s"]), e
+    assert "GRPO step:" in proc.stdout and "learning" in proc.stdout, proc.stdout[-2000:]

@@ -12,6 +12,7 @@ from gpt_oss_train.architecture import PRESETS
 from gpt_oss_train.model import parameters
 from gpt_oss_train.training.flops import (
     attention_pairs,
+    decode_flops_per_token,
     forward_flops_per_token,
     throughput_metrics,
     training_flops_per_token,
@@ -168,6 +169,19 @@ def test_gpt_oss_20b_flops_values():
     t120 = training_flops_per_token(GPT_OSS_120B, 4096)
     matmul_params = 36 * (D * (64 + 16) * 64 + 64 * 64 * D + D * 128 + 4 * 3 * D * 2880) + D * V
     assert t120["weights"] == 6 * matmul_params
+
+
+def test_decode_token_flops_by_hand():
+    # gpt-oss-20b's token at position 8191: its weights' 2 x active matmul parameters, and
+    # q.k + p.v over 8192 keys in the 12 full layers and 128 in the 12 banded ones.
+    D, V = 2880, 201088
+    matmul_params = 24 * (D * (64 + 16) * 64 + 64 * 64 * D + D * 32 + 4 * 3 * D * 2880) + D * V
+    attention = 64 * (2 * 64 + 2 * 64) * (12 * 8192 + 12 * 128)
+    assert decode_flops_per_token(GPT_OSS_20B, 8192) == 2 * matmul_params + attention
+    # A context inside the window: every layer sees all of it.
+    assert decode_flops_per_token(GPT_OSS_20B, 100) == 2 * matmul_params + 64 * 256 * 24 * 100
+    with pytest.raises(ValueError):
+        decode_flops_per_token(GPT_OSS_20B, 0)
 
 
 def test_no_window_means_all_layers_causal():

@@ -240,6 +240,44 @@ def test_tpu_forms_counted_by_hand():
     assert any("ragged dots" in n for n in quarter.notes), quarter.notes
 
 
+SCATTER_IN_PLACE = """HloModule scatter_in_place
+
+%assign (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  ROOT %b = f32[] parameter(1)
+}
+
+%write_rows (buf: f32[1024,64], idx: s32[4,1], upd: f32[4,64]) -> f32[1024,64] {
+  %buf = f32[1024,64]{1,0} parameter(0)
+  %idx = s32[4,1]{1,0} parameter(1)
+  %upd = f32[4,64]{1,0} parameter(2)
+  ROOT %sc = f32[1024,64]{1,0} scatter(%buf, %idx, %upd), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%assign
+}
+
+ENTRY %main (cache: f32[1024,64], rows: s32[4,1], new: f32[4,64]) -> f32[1024,64] {
+  %cache = f32[1024,64]{1,0} parameter(0)
+  %rows = s32[4,1]{1,0} parameter(1)
+  %new = f32[4,64]{1,0} parameter(2)
+  ROOT %f = f32[1024,64]{1,0} fusion(%cache, %rows, %new), kind=kLoop, calls=%write_rows
+}
+"""  # noqa: E501
+
+
+def test_a_scatter_writes_only_its_updates():
+    # A KV cache written at 4 rows: the fusion reads the rows and indices and writes the
+    # 4 x 64 floats in place, not the whole 256 KiB buffer (read, then written again).
+    acct = step_model.account(SCATTER_IN_PLACE)
+    assert acct.hbm_bytes == 4 * 64 * 4 + 4 * 4 + 4 * 64 * 4
+    # The same scatter unfused: its updates read and written (indices not counted).
+    bare = SCATTER_IN_PLACE.replace(
+        "ROOT %f = f32[1024,64]{1,0} fusion(%cache, %rows, %new), kind=kLoop, calls=%write_rows",
+        "ROOT %f = f32[1024,64]{1,0} scatter(%cache, %rows, %new), update_window_dims={1}, "
+        "inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, "
+        "to_apply=%assign",
+    )
+    assert step_model.account(bare).hbm_bytes == 2 * 4 * 64 * 4
+
+
 @pytest.mark.parametrize(
     "attrs, groups",
     [

@@ -47,6 +47,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 GiB = 2**30
+PROGRAMS = ("train", "decode", "prefill", "grpo")
 
 
 def offline_tpu_environment():
@@ -177,31 +178,46 @@ def _state_figures(setup, devices) -> dict:
     }
 
 
-def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
-    """Lowers and compiles train.py's step for `devices`; returns its per-device figures
-    (with "error" set, and no memory breakdown, when XLA finds it does not fit)."""
-    import jax
-
-    t0 = time.perf_counter()
-    setup, lowered = lower_train_step(config, devices)
-    info = _state_figures(setup, devices)
-    # Expert parallelism sizes its grouped rows for the worst routing (every pair on one
-    # shard): a ragged dot's rows hold data 1/expert of the time when routing is balanced.
+def ragged_rows(moe_impl: str, mesh, rules) -> float:
+    """The share of a grouped matmul's rows that hold data: expert parallelism sizes them
+    for the worst routing (every pair on one shard), so under balanced routing a ragged
+    dot's rows hold data 1/expert of the time."""
     from gpt_oss_train import sharding
 
-    exp_axes = sharding.spec_axes(sharding.logical_to_spec(("exp",), setup.rules)[0])
-    expert_shards = math.prod(setup.mesh.shape[a] for a in exp_axes)
-    info["ragged_rows"] = 1.0 / expert_shards if config.moe_impl == "sharded" else 1.0
+    exp_axes = sharding.spec_axes(sharding.logical_to_spec(("exp",), rules)[0])
+    return 1.0 / math.prod(mesh.shape[a] for a in exp_axes) if moe_impl == "sharded" else 1.0
+
+
+def compile_train_step(config, devices, dump_dir: str | None = None, lowered_step=None) -> dict:
+    """Lowers (unless `lowered_step` gives lower_train_step's result) and compiles
+    train.py's step for `devices`; returns its per-device figures (with "error" set, and
+    no memory breakdown, when XLA finds it does not fit)."""
+    t0 = time.perf_counter()
+    setup, lowered = lowered_step or lower_train_step(config, devices)
+    info = _state_figures(setup, devices)
+    info["ragged_rows"] = ragged_rows(config.moe_impl, setup.mesh, setup.rules)
     info["top_arguments"] = [
         f"{b / 2**20:10.1f}MiB  {what}" for b, what in largest_arguments(setup, 6)
     ]
     info["lower_s"] = time.perf_counter() - t0
+    return compile_lowered(info, lowered, setup.mesh, setup.rules, dump_dir)
+
+
+def compile_lowered(info: dict, lowered, mesh, rules, dump_dir: str | None) -> dict:
+    """Compiles a lowered program under the mesh it was lowered for and adds its memory
+    and step-model figures to `info` (which holds the model's side: device_kind, devices,
+    model_flops_per_device, tokens_per_step, ragged_rows); with "error" set, and no memory
+    breakdown, when XLA finds it does not fit."""
+    import jax
+
+    from gpt_oss_train import sharding
+
     # The dump holds XLA's memory-usage report, which it writes even when the program does
     # not fit: the only way to see what filled the memory in that case.
     options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "NONE"} if dump_dir else {}
     t0 = time.perf_counter()
     try:
-        with setup.scope():
+        with sharding.use_mesh(mesh, rules):
             compiled = lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
         info["compile_s"] = time.perf_counter() - t0
@@ -210,9 +226,9 @@ def compile_train_step(config, devices, dump_dir: str | None = None) -> dict:
         # XLA's own verdict, e.g. "HLO temporaries (17.09G) exceeds available HBM (15.75G)",
         # or an on-chip scratch (VMEM) overflow of one kernel.
         info["error"] = " ".join(str(e).split())[:800]
-        return _finish(info, None, setup.mesh)
+        return _finish(info, None, mesh)
     info["compile_s"] = time.perf_counter() - t0
-    return _finish(info, compiled, setup.mesh)
+    return _finish(info, compiled, mesh)
 
 
 def _finish(info: dict, compiled, mesh) -> dict:
@@ -281,7 +297,9 @@ def verdict(r: dict, hbm_override_gib: float = 0.0) -> dict:
     return r
 
 
-def memory_report(dump_dir: str, n: int) -> tuple[int | None, list[str]]:
+def memory_report(
+    dump_dir: str, n: int, module: str = "jit_train_step"
+) -> tuple[int | None, list[str]]:
     """(bytes of all HBM buffers added up, the n largest with the values sharing each)
     from XLA's memory-usage report, which it writes even when the program does not fit.
     Buffers live at different times share memory, so the sum exceeds the peak. Only the
@@ -289,7 +307,7 @@ def memory_report(dump_dir: str, n: int) -> tuple[int | None, list[str]]:
     (the arguments, already listed apart), not buffers the program adds."""
     import glob
 
-    reports = sorted(glob.glob(os.path.join(dump_dir, "*jit_train_step*memory-usage-report.txt")))
+    reports = sorted(glob.glob(os.path.join(dump_dir, f"*{module}*memory-usage-report.txt")))
     if not reports:
         return None, []
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -351,11 +369,21 @@ def _compiled_lines(r: dict) -> list[str]:
     hbm = r["hbm_bytes"]
     lines = [
         "memory per device:",
-        f"  arguments {g(r['arguments_bytes'])}   params, optimizer state, batch"
-        + (", frozen base" if r.get("frozen_format") else ""),
+        f"  arguments {g(r['arguments_bytes'])}   "
+        + (
+            "weights, KV cache, inputs"
+            if "program" in r
+            else "params, optimizer state, batch"
+            + (", frozen base" if r.get("frozen_format") else "")
+        ),
         f"  outputs   {g(r['outputs_bytes'])}   of which {r['aliased_bytes'] / GiB:.2f} GiB "
         "reuse the donated arguments",
-        f"  temps     {g(r['temp_bytes'])}   activations, gradients, gathered weights",
+        f"  temps     {g(r['temp_bytes'])}   activations, "
+        + (
+            "decoded or gathered weights, copies"
+            if "program" in r
+            else "gradients, gathered weights"
+        ),
         f"  code      {g(r['code_bytes'])}",
         f"  peak      {g(r['peak_bytes'])}   XLA's peak of the buffers live at once",
         f"  total     {g(r['total_bytes'])}   arguments + outputs - reused + temps + code"
@@ -485,12 +513,17 @@ def report(r: dict) -> str:
     if r.get("top_arguments"):
         lines.append("largest arguments per device (state, frozen base):")
         lines += ["  " + row for row in r["top_arguments"]]
-    if r.get("top_buffers"):
-        lines.append("largest HBM buffers (XLA memory-usage report; each row is one buffer and")
-        lines.append("the values that take turns in it):")
-        lines += ["  " + row for row in r["top_buffers"]]
-    lines.append(_verdict_line(r))
+    lines += _buffer_lines(r) + [_verdict_line(r)]
     return "\n".join(lines)
+
+
+def _buffer_lines(r: dict) -> list[str]:
+    if not r.get("top_buffers"):
+        return []
+    return [
+        "largest HBM buffers (XLA memory-usage report; each row is one buffer and",
+        "the values that take turns in it):",
+    ] + ["  " + row for row in r["top_buffers"]]
 
 
 def _needed(error: str) -> str:
@@ -515,8 +548,15 @@ def run(
     hbm_override_gib: float = 0.0,
     num_top_buffers: int = 0,
     dump_dir: str = "",
+    program: str = "train",
+    shape=None,
+    weights: str = "param_dtype",
 ) -> dict:
+    """Compiles `program` (PROGRAMS) for the topology: its result, with the verdict; for
+    "grpo", {"learner", "decode", "prefill": each program's result, "phases", ...}."""
     import tempfile
+
+    from gpt_oss_train.tools import aot_serving
 
     if num_slices > 1 and all(v == 1 for v in config.mesh_dcn.values()):
         # Multi-slice with no DCN split given: data parallelism across slices is the usual
@@ -536,20 +576,63 @@ def run(
             if num_top_buffers
             else None
         )
-        r = compile_train_step(config, devices, dump)
-        r["buffers_sum_bytes"], r["top_buffers"] = (
-            memory_report(dump, num_top_buffers) if num_top_buffers else (None, [])
-        )
-    from importlib import metadata
+        if program == "train":
+            results = {"train_step": compile_train_step(config, devices, dump)}
+            out = results["train_step"]
+        elif program == "grpo":
+            out = aot_serving.compile_grpo(config, devices, dump)
+            results = {"train_step": out["learner"], "_decode": out["decode"],
+                       "_prefill": out["prefill"]}  # fmt: skip
+        else:
+            out = aot_serving.compile_program(config, devices, program, shape, weights, dump)
+            results = {f"_{program}": out}
+        from importlib import metadata
 
-    # The compiler's version matters: libtpu releases differ by GiBs on the same step.
-    r.update(
-        topology=topology,
-        num_slices=num_slices,
-        libtpu_version=metadata.version("libtpu"),
-        libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
-    )
-    return verdict(r, hbm_override_gib)
+        for name, r in results.items():
+            r["buffers_sum_bytes"], r["top_buffers"] = (
+                memory_report(dump, num_top_buffers, f"jit_{name}")
+                if num_top_buffers
+                else (None, [])
+            )
+            # The compiler's version matters: libtpu releases differ by GiBs on one step.
+            r.update(
+                topology=topology,
+                num_slices=num_slices,
+                libtpu_version=metadata.version("libtpu"),
+                libtpu_init_args=os.environ.get("LIBTPU_INIT_ARGS", ""),
+            )
+            verdict(r, hbm_override_gib)
+    if program == "grpo":
+        hbm = out["learner"]["hbm_bytes"]
+        peak = max(out["phases"].values(), default=None)
+        out["fits"] = None if hbm is None or peak is None else peak <= hbm
+        if any(out[p]["error"] for p in ("learner", "decode", "prefill")):
+            out["fits"] = False
+    return out
+
+
+def full_report(r: dict) -> str:
+    """The report of what run() returned, for any program."""
+    from gpt_oss_train.tools import aot_serving
+
+    if "learner" in r:
+        parts = [report(r["learner"]), serving_report(r["decode"]), serving_report(r["prefill"])]
+        hbm = r["learner"]["hbm_bytes"]
+        return "\n\n".join(parts + ["\n".join(aot_serving.grpo_lines(r, hbm))])
+    return serving_report(r) if "program" in r else report(r)
+
+
+def serving_report(r: dict) -> str:
+    """An engine program's report: as the train step's, with its own setup lines."""
+    from gpt_oss_train.tools import aot_serving
+
+    lines = aot_serving.setup_lines(r) + _compiled_lines(r)
+    if r.get("step_model"):
+        lines += _step_lines(r) + aot_serving.decode_line(r)
+    elif r.get("step_model_error"):
+        lines.append(f"step model  could not read the program: {r['step_model_error']}")
+    lines += _buffer_lines(r) + [_verdict_line(r)]
+    return "\n".join(lines)
 
 
 def _define_flags():
@@ -575,6 +658,25 @@ def _define_flags():
         "Keep XLA's dump of the compiled step here (HLO, buffer assignment, "
         "memory-usage report); by default it goes to a temporary folder, then away.",
     )
+    flags.DEFINE_enum(
+        "program",
+        "train",
+        PROGRAMS,
+        "train: train.py's step; decode / prefill: the serving engine's decode step and "
+        "prefill chunk (--slots, --context, --prefill_chunk, --weights); grpo: a GRPO "
+        "config's learner step and its rollout engine's programs, with both phases' memory.",
+    )
+    flags.DEFINE_integer("slots", 0, "decode/prefill: decode rows (0: train.global_batch_size).")
+    flags.DEFINE_integer("context", 0, "decode/prefill: positions per slot (0: train.seq_len).")
+    flags.DEFINE_integer("prefill_chunk", 256, "prefill: tokens per chunk.")
+    flags.DEFINE_enum(
+        "weights",
+        "param_dtype",
+        ["param_dtype", "bfloat16", "int8", "mxfp4"],
+        "decode/prefill: the weights' form (model/frozen_base.py; mxfp4: the experts kept "
+        "packed as the published checkpoints store them, other matrices bfloat16).",
+    )
+    flags.DEFINE_bool("int8_kv_cache", False, "decode/prefill: an int8 KV cache.")
     flags.DEFINE_integer(
         "top_buffers",
         10,
@@ -595,16 +697,28 @@ def emit(r: dict, text: str, json_flag: str) -> None:
 
 def main(argv):
     del argv
+    from gpt_oss_train.tools import aot_serving
+
     f = flags.FLAGS
+    config = f["config"].value
+    if f.program in aot_serving.PROGRAMS:
+        slots = f.slots or config.train.global_batch_size
+        context = f.context or config.train.seq_len
+        shape = aot_serving.Shape(slots, context, min(f.prefill_chunk, context), f.int8_kv_cache)
+    else:
+        shape = None
     r = run(
-        f["config"].value,
+        config,
         f.topology,
         f.num_slices,
         f.hbm_gib,
         f.top_buffers,
         f.dump_dir,
+        f.program,
+        shape,
+        f.weights,
     )
-    emit(r, report(r), f.json)
+    emit(r, full_report(r), f.json)
     if r["fits"] is False:
         sys.exit(1)
 

@@ -323,6 +323,10 @@ _NO_TRAFFIC = {
     "call", "domain",
 }  # fmt: skip
 _SLICES = ("dynamic-slice", "slice", "gather")
+# Updates XLA runs in place on their first operand's buffer: they write only the update.
+# (A one-buffer scatter: a variadic one updates several buffers, which this reader treats
+# as its last; the engine's cache writes are one buffer each.)
+_IN_PLACE = ("dynamic-update-slice", "scatter")
 
 
 def _users(comp: Computation) -> dict[str, list[Inst]]:
@@ -355,16 +359,23 @@ def _param_read(module: Module, inner: Computation, index: int, full: float) -> 
             elif user.opcode == "fusion" and user.operands.count(name) == 1:
                 nested = module.computations[_callees(user)[0][0]]
                 read += _param_read(module, nested, user.operands.index(name), full)
-            elif not (user.opcode == "dynamic-update-slice" and user.operands[0] in names):
+            elif not (user.opcode in _IN_PLACE and user.operands[0] in names):
                 return full
     return min(read, full)
+
+
+def _update_bytes(comp: Computation, inst: Inst) -> float:
+    """What an in-place update writes: a dynamic-update-slice its update; a scatter its
+    updates (operands: the buffer, the indices, the updates)."""
+    update = inst.operands[1] if inst.opcode == "dynamic-update-slice" else inst.operands[-1]
+    return nbytes(comp.insts[update].shape, padded=True)
 
 
 def _written(inner: Computation, name: str, out_shape: str) -> float:
     """Bytes a fusion output writes: an in-place update writes only its update."""
     inst = _through(inner, name)
-    if inst.opcode == "dynamic-update-slice" and nbytes(out_shape, hbm_only=True):
-        return nbytes(inner.insts[inst.operands[1]].shape, padded=True)
+    if inst.opcode in _IN_PLACE and nbytes(out_shape, hbm_only=True):
+        return _update_bytes(inner, inst)
     return nbytes(out_shape, hbm_only=True)
 
 
@@ -410,8 +421,8 @@ def hbm_bytes(module: Module, comp: Computation, inst: Inst) -> float:
         return _fusion_bytes(module, comp, inst)
     if op in ("dynamic-slice", "slice"):
         return 2 * nbytes(inst.shape, hbm_only=True)
-    if op == "dynamic-update-slice":
-        return 2 * nbytes(comp.insts[inst.operands[1]].shape, hbm_only=True)
+    if op in _IN_PLACE:  # reads the update (and a scatter's indices), writes it in place
+        return 2 * _update_bytes(comp, inst)
     return operands() + nbytes(inst.shape, hbm_only=True)
 
 

@@ -110,6 +110,20 @@ def forward_flops_per_token(m: Any, seq_len: int) -> dict[str, float]:
     return {"weights": weights, "attention": attention, "total": weights + attention}
 
 
+def decode_flops_per_token(m: Any, context: int) -> float:
+    """Forward model FLOPs of one token that attends to `context` keys (the banded layers
+    to their window of them): a decode step's work per row at that position."""
+    if context <= 0:
+        raise ValueError(f"context must be positive, got {context}")
+    _, _, L, N, _, H, _, _, _ = _dims(m)
+    window = getattr(m, "sliding_window", None)
+    keys = sum(
+        min(context, window) if window and is_sliding_layer(m, layer) else context
+        for layer in range(L)
+    )
+    return weight_flops_per_token(m)["total"] + 4.0 * N * H * keys
+
+
 def training_flops_per_token(m: Any, seq_len: int) -> dict[str, float]:
     """Training (forward + backward = 3 x forward) model FLOPs per token."""
     fwd = forward_flops_per_token(m, seq_len)

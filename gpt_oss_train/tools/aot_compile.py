@@ -9,6 +9,10 @@ and say whether it fits in the chips' memory: the check to run before booking a 
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e.py --topology=v5e:16x16 \
       --num_slices=2                # multi-slice: config.mesh_dcn splits over the slices
 
+`--program=decode|prefill` compiles the serving engine's decode step or prefill chunk
+instead, and `--program=grpo` a GRPO config's learner step with its rollout engine's
+programs and the memory of both phases (tools/aot_serving.py).
+
 `--topology` is `<chip>:<shape>` as libtpu names it: v5e:16x16 (256 chips), v6e:8x8,
 v5p:4x4x4, ... It compiles exactly what `train.py` runs (steps.make_train_step,
 the config's optimizer, parameter / optimizer-state / batch shardings, donated state),
@@ -45,6 +49,8 @@ import time
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from gpt_oss_train.tools import aot_serving, compiled_step
 
 GiB = 2**30
 PROGRAMS = ("train", "decode", "prefill", "grpo")
@@ -178,16 +184,6 @@ def _state_figures(setup, devices) -> dict:
     }
 
 
-def ragged_rows(moe_impl: str, mesh, rules) -> float:
-    """The share of a grouped matmul's rows that hold data: expert parallelism sizes them
-    for the worst routing (every pair on one shard), so under balanced routing a ragged
-    dot's rows hold data 1/expert of the time."""
-    from gpt_oss_train import sharding
-
-    exp_axes = sharding.spec_axes(sharding.logical_to_spec(("exp",), rules)[0])
-    return 1.0 / math.prod(mesh.shape[a] for a in exp_axes) if moe_impl == "sharded" else 1.0
-
-
 def compile_train_step(config, devices, dump_dir: str | None = None, lowered_step=None) -> dict:
     """Lowers (unless `lowered_step` gives lower_train_step's result) and compiles
     train.py's step for `devices`; returns its per-device figures (with "error" set, and
@@ -195,92 +191,56 @@ def compile_train_step(config, devices, dump_dir: str | None = None, lowered_ste
     t0 = time.perf_counter()
     setup, lowered = lowered_step or lower_train_step(config, devices)
     info = _state_figures(setup, devices)
-    info["ragged_rows"] = ragged_rows(config.moe_impl, setup.mesh, setup.rules)
+    info["ragged_rows"] = compiled_step.ragged_rows(config.moe_impl, setup.mesh, setup.rules)
     info["top_arguments"] = [
         f"{b / 2**20:10.1f}MiB  {what}" for b, what in largest_arguments(setup, 6)
     ]
     info["lower_s"] = time.perf_counter() - t0
-    return compile_lowered(info, lowered, setup.mesh, setup.rules, dump_dir)
+    return compiled_step.compile_lowered(info, lowered, setup.mesh, setup.rules, dump_dir)
 
 
-def compile_lowered(info: dict, lowered, mesh, rules, dump_dir: str | None) -> dict:
-    """Compiles a lowered program under the mesh it was lowered for and adds its memory
-    and step-model figures to `info` (which holds the model's side: device_kind, devices,
-    model_flops_per_device, tokens_per_step, ragged_rows); with "error" set, and no memory
-    breakdown, when XLA finds it does not fit."""
-    import jax
+def compile_grpo(config, devices, dump_dir: str | None) -> dict:
+    """The learner's train step and the rollout engine's decode and prefill on the same
+    mesh and weights (LoRA: the frozen base with the trained adapters), and the memory of
+    the two phases of a GRPO step."""
+    from gpt_oss_train import rollouts
+    from gpt_oss_train.model import lora
 
-    from gpt_oss_train import sharding
-
-    # The dump holds XLA's memory-usage report, which it writes even when the program does
-    # not fit: the only way to see what filled the memory in that case.
-    options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "NONE"} if dump_dir else {}
+    if config.train.objective != "grpo":
+        raise SystemExit("--program=grpo: the config's train.objective must be 'grpo'")
     t0 = time.perf_counter()
-    try:
-        with sharding.use_mesh(mesh, rules):
-            compiled = lowered.compile(compiler_options=options)
-    except jax.errors.JaxRuntimeError as e:
-        info["compile_s"] = time.perf_counter() - t0
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        # XLA's own verdict, e.g. "HLO temporaries (17.09G) exceeds available HBM (15.75G)",
-        # or an on-chip scratch (VMEM) overflow of one kernel.
-        info["error"] = " ".join(str(e).split())[:800]
-        return _finish(info, None, mesh)
-    info["compile_s"] = time.perf_counter() - t0
-    return _finish(info, compiled, mesh)
-
-
-def _finish(info: dict, compiled, mesh) -> dict:
-    info.setdefault("error", None)
-    if compiled is None:
-        return info
-    mem = compiled.memory_analysis()
-    info.update(
-        arguments_bytes=mem.argument_size_in_bytes,
-        outputs_bytes=mem.output_size_in_bytes,
-        aliased_bytes=mem.alias_size_in_bytes,  # donated state reused by the outputs
-        temp_bytes=mem.temp_size_in_bytes,
-        code_bytes=mem.generated_code_size_in_bytes,
-        peak_bytes=mem.peak_memory_in_bytes,
-    )
-    info["total_bytes"] = (
-        info["arguments_bytes"]
-        + info["outputs_bytes"]
-        - info["aliased_bytes"]
-        + info["temp_bytes"]
-        + info["code_bytes"]
-    )
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
-        cost = cost[0] if cost else {}
-    info["compiled_flops_per_device"] = (cost or {}).get("flops")
-    try:
-        info.update(_step_model(info, compiled, mesh))
-    except Exception as e:  # a form of HLO the reader does not know: keep the memory figures
-        info["step_model_error"] = f"{type(e).__name__}: {e}"
-    return info
-
-
-def _step_model(info: dict, compiled, mesh) -> dict:
-    """The step-time model (tools/step_model.py) of the compiled step, per device: the
-    HLO's FLOPs, HBM bytes, collectives and custom calls with loop trip counts applied,
-    and the step time, tokens/s and MFU they imply on this chip."""
-    from gpt_oss_train import hardware
-    from gpt_oss_train.tools import hlo_text, step_model
-
-    acct = step_model.account(
-        compiled.as_text(), hlo_text.MeshSpec.from_jax(mesh), ragged_rows=info["ragged_rows"]
-    )
-    return {
-        "step_model": step_model.summary(acct),
-        "estimate": step_model.estimate(
-            acct,
-            hardware.chip(info["device_kind"]),
-            model_flops=info["model_flops_per_device"],
-            tokens=info["tokens_per_step"] / info["devices"],
-        ),
-    }
+    setup, lowered = lower_train_step(config, devices)
+    lower_s = time.perf_counter() - t0
+    learner = compile_train_step(config, devices, dump_dir, (setup, lowered))
+    learner["lower_s"] += lower_s
+    state = setup.abstract_state
+    policy = state["params"]
+    if setup.frozen is not None:
+        policy = lora.merge(setup.frozen.abstract, policy)
+    opts = rollouts.engine_options(config)
+    shape = aot_serving.Shape(opts.max_slots, opts.max_context, opts.prefill_chunk)
+    out = {"learner": learner}
+    for program in aot_serving.ENGINE_PROGRAMS:
+        t0 = time.perf_counter()
+        _, cache, lowered = aot_serving.lower(
+            setup.model_def, setup.mesh, setup.rules, policy, program, shape
+        )
+        info = aot_serving.figures(
+            setup.model_def, setup.mesh, setup.rules, policy, cache, program, shape, devices
+        )
+        info["weights"] = setup.frozen.format if setup.frozen is not None else "trained"
+        info["lower_s"] = time.perf_counter() - t0
+        out[program] = compiled_step.compile_lowered(
+            info, lowered, setup.mesh, setup.rules, dump_dir
+        )
+    # Resident beside the engine's step: the optimizer state and a full fine-tuning run's
+    # reference copy (the policy's own weights are its arguments).
+    beside = aot_serving.bytes_per_device(state["opt_state"])
+    if setup.reference is not None:
+        beside += aot_serving.bytes_per_device(setup.reference.abstract)
+    out["phases"] = aot_serving.phases(out, beside)
+    out["rollout_estimate"] = aot_serving.rollout_estimate(out, config)
+    return out
 
 
 def verdict(r: dict, hbm_override_gib: float = 0.0) -> dict:
@@ -556,8 +516,6 @@ def run(
     "grpo", {"learner", "decode", "prefill": each program's result, "phases", ...}."""
     import tempfile
 
-    from gpt_oss_train.tools import aot_serving
-
     if num_slices > 1 and all(v == 1 for v in config.mesh_dcn.values()):
         # Multi-slice with no DCN split given: data parallelism across slices is the usual
         # choice (only the gradient reduction crosses the slow links, once per step).
@@ -580,7 +538,7 @@ def run(
             results = {"train_step": compile_train_step(config, devices, dump)}
             out = results["train_step"]
         elif program == "grpo":
-            out = aot_serving.compile_grpo(config, devices, dump)
+            out = compile_grpo(config, devices, dump)
             results = {"train_step": out["learner"], "_decode": out["decode"],
                        "_prefill": out["prefill"]}  # fmt: skip
         else:
@@ -613,8 +571,6 @@ def run(
 
 def full_report(r: dict) -> str:
     """The report of what run() returned, for any program."""
-    from gpt_oss_train.tools import aot_serving
-
     if "learner" in r:
         parts = [report(r["learner"]), serving_report(r["decode"]), serving_report(r["prefill"])]
         hbm = r["learner"]["hbm_bytes"]
@@ -624,8 +580,6 @@ def full_report(r: dict) -> str:
 
 def serving_report(r: dict) -> str:
     """An engine program's report: as the train step's, with its own setup lines."""
-    from gpt_oss_train.tools import aot_serving
-
     lines = aot_serving.setup_lines(r) + _compiled_lines(r)
     if r.get("step_model"):
         lines += _step_lines(r) + aot_serving.decode_line(r)
@@ -697,11 +651,9 @@ def emit(r: dict, text: str, json_flag: str) -> None:
 
 def main(argv):
     del argv
-    from gpt_oss_train.tools import aot_serving
-
     f = flags.FLAGS
     config = f["config"].value
-    if f.program in aot_serving.PROGRAMS:
+    if f.program in aot_serving.ENGINE_PROGRAMS:
         slots = f.slots or config.train.global_batch_size
         context = f.context or config.train.seq_len
         shape = aot_serving.Shape(slots, context, min(f.prefill_chunk, context), f.int8_kv_cache)

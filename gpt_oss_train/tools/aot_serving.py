@@ -4,11 +4,11 @@
   decode   one token for each of `slots` rows, every row at position `context` - 1: the
            step that bounds a full batch (inference/engine_steps.py's decode)
   prefill  one `chunk` of one slot's prompt, ending at position `context` - 1
-  grpo     a GRPO run's three programs on its mesh: the learner's train step, and the
-           rollout engine's decode and prefill on the trained weights (rollouts.py sizes
-           the engine: a slot per row, prompt + completion positions). What stays
-           resident across them: the engine's KV cache while the learner runs, the
-           optimizer state while the engine samples.
+
+A GRPO run's phases (aot_compile --program=grpo compiles its learner step beside the
+engine's programs on the trained weights): what stays resident across them, the engine's
+KV cache while the learner runs and the optimizer state while the engine samples, and a
+rollout's time from the step model.
 
 Serving weights are config.model's in config.param_dtype, or with --weights in one of the
 frozen-base forms (model/frozen_base.py: bfloat16, int8, mxfp4 - the published
@@ -23,8 +23,10 @@ import dataclasses
 import math
 import time
 
+from gpt_oss_train.tools import compiled_step
+
 GiB = 2**30
-PROGRAMS = ("decode", "prefill")
+ENGINE_PROGRAMS = ("decode", "prefill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +121,9 @@ def lower(md, mesh, rules, params, program: str, shape: Shape):
     return steps, cache, lowered
 
 
-def _figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices) -> dict:
+def figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices) -> dict:
     """The program's model side: sizes, and the model FLOPs and tokens of one call."""
     from gpt_oss_train.model import parameters
-    from gpt_oss_train.tools import aot_compile
     from gpt_oss_train.training import flops
 
     tokens = shape.slots if program == "decode" else shape.chunk
@@ -144,7 +145,7 @@ def _figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices
         "model_flops_per_device": (
             flops.decode_flops_per_token(md.cfg, shape.context) * tokens / len(devices)
         ),
-        "ragged_rows": aot_compile.ragged_rows(md.cfg.moe_impl, mesh, rules),
+        "ragged_rows": compiled_step.ragged_rows(md.cfg.moe_impl, mesh, rules),
     }
 
 
@@ -152,56 +153,13 @@ def compile_program(
     config, devices, program: str, shape: Shape, weights: str, dump_dir: str | None
 ) -> dict:
     """Lowers and compiles the engine's `program` for `devices`; its figures per device."""
-    from gpt_oss_train.tools import aot_compile
-
     t0 = time.perf_counter()
     md, mesh, rules, params = serving_model(config, devices, weights)
     _, cache, lowered = lower(md, mesh, rules, params, program, shape)
-    info = _figures(md, mesh, rules, params, cache, program, shape, devices)
+    info = figures(md, mesh, rules, params, cache, program, shape, devices)
     info["weights"] = weights if weights != "param_dtype" else config.param_dtype
     info["lower_s"] = time.perf_counter() - t0
-    return aot_compile.compile_lowered(info, lowered, mesh, rules, dump_dir)
-
-
-def compile_grpo(config, devices, dump_dir: str | None) -> dict:
-    """The learner's train step and the rollout engine's decode and prefill on the same
-    mesh and weights (LoRA: the frozen base with the trained adapters), and the memory of
-    the two phases of a GRPO step."""
-    from gpt_oss_train import rollouts
-    from gpt_oss_train.model import lora
-    from gpt_oss_train.tools import aot_compile
-
-    if config.train.objective != "grpo":
-        raise SystemExit("--program=grpo: the config's train.objective must be 'grpo'")
-    t0 = time.perf_counter()
-    setup, lowered = aot_compile.lower_train_step(config, devices)
-    lower_s = time.perf_counter() - t0
-    learner = aot_compile.compile_train_step(config, devices, dump_dir, (setup, lowered))
-    learner["lower_s"] += lower_s
-    state = setup.abstract_state
-    policy = state["params"]
-    if setup.frozen is not None:
-        policy = lora.merge(setup.frozen.abstract, policy)
-    opts = rollouts.engine_options(config)
-    shape = Shape(opts.max_slots, opts.max_context, opts.prefill_chunk)
-    out = {"learner": learner}
-    for program in PROGRAMS:
-        t0 = time.perf_counter()
-        _, cache, lowered = lower(setup.model_def, setup.mesh, setup.rules, policy, program, shape)
-        info = _figures(
-            setup.model_def, setup.mesh, setup.rules, policy, cache, program, shape, devices
-        )
-        info["weights"] = setup.frozen.format if setup.frozen is not None else "trained"
-        info["lower_s"] = time.perf_counter() - t0
-        out[program] = aot_compile.compile_lowered(info, lowered, setup.mesh, setup.rules, dump_dir)
-    # Resident beside the engine's step: the optimizer state and a full fine-tuning run's
-    # reference copy (the policy's own weights are its arguments).
-    beside = bytes_per_device(state["opt_state"])
-    if setup.reference is not None:
-        beside += bytes_per_device(setup.reference.abstract)
-    out["phases"] = phases(out, beside)
-    out["rollout_estimate"] = rollout_estimate(out, config)
-    return out
+    return compiled_step.compile_lowered(info, lowered, mesh, rules, dump_dir)
 
 
 def phases(r: dict, beside_engine: int) -> dict:

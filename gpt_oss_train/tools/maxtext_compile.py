@@ -25,7 +25,7 @@ import sys
 
 from absl import app, flags
 
-from gpt_oss_train.tools import aot_compile
+from gpt_oss_train.tools import aot_compile, compiled_step
 
 
 def maxtext_topology(topology: str) -> str:
@@ -89,7 +89,7 @@ def account(model: str, topology: str, compiled, mesh, config) -> dict:
         "ragged_rows": 1.0 / expert,  # its expert buffers, like ours, hold every gathered row
         "loop_trips": {},
     }
-    info = aot_compile._finish(info, compiled, mesh)
+    info = compiled_step.finish(info, compiled, mesh)
     from importlib import metadata
 
     info.update(

@@ -143,6 +143,55 @@ class EngineSteps:
         put = lambda a, w: jax.lax.dynamic_update_slice(a, w, (0, start) + (0,) * (a.ndim - 2))
         return jax.tree.map(put, cache, window)
 
+    def _rows_sharded(self) -> bool:
+        """Whether the cache's rows are split over devices (by the active mesh's rules)."""
+        ctx = sharding.active()
+        if ctx is None:
+            return False
+        mesh, rules = ctx
+        spec = sharding.fit_spec(
+            sharding.logical_to_spec(("cache_batch",), rules), (self.max_slots,), mesh
+        )
+        return any(mesh.shape[ax] > 1 for ax in sharding.spec_axes(spec[0]))
+
+    # With the cache's rows split over devices, a slice or an update at a traced row would
+    # gather the whole cache onto every device (9 GiB a chip for gpt-oss-120b's 64 x 8192
+    # on v5e:4x4). A masked sum over the rows reads each device's own rows and moves one
+    # row between them; a select writes each device's own rows in place.
+
+    @staticmethod
+    def _slot_mask(a, slot):
+        """[1, slots, 1, ...]: True at row `slot` of a cache field [layers, slots, ...]."""
+        hit = jnp.arange(a.shape[1]) == slot
+        return hit.reshape((1, a.shape[1]) + (1,) * (a.ndim - 2))
+
+    def _read_row(self, a, slot, n: int):
+        """Row `slot` of a cache field, its first n positions: [layers, 1, n, ...]."""
+        if not self._rows_sharded():
+            return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)[:, :, :n]
+        picked = jnp.where(self._slot_mask(a, slot), a[:, :, :n], jnp.zeros((), a.dtype))
+        return jnp.sum(picked, axis=1, keepdims=True, dtype=a.dtype)  # one term is not 0
+
+    def _write_row(self, a, row, slot):
+        """`row` [layers, 1, n, ...] written over the first n positions of row `slot`."""
+        if not self._rows_sharded():
+            return jax.lax.dynamic_update_slice(a, row, (0, slot) + (0,) * (a.ndim - 2))
+        head = jnp.where(self._slot_mask(a, slot), row, a[:, :, : row.shape[2]])
+        return jax.lax.dynamic_update_slice(a, head, (0,) * a.ndim)
+
+    def _slot_window(self, cache: dict, slot, context: int) -> dict:
+        """As _window(cache, 1, context, slot), read without gathering sharded rows."""
+        return {
+            "sliding": jax.tree.map(
+                lambda a: self._read_row(a, slot, a.shape[2]), cache["sliding"]
+            ),
+            "full": jax.tree.map(lambda a: self._read_row(a, slot, context), cache["full"]),
+        }
+
+    def _put_slot(self, cache: dict, window: dict, slot) -> dict:
+        """As _put(cache, window, slot), written without gathering sharded rows."""
+        return jax.tree.map(lambda a, w: self._write_row(a, w, slot), cache, window)
+
     def _prefill(
         self,
         params,
@@ -162,11 +211,11 @@ class EngineSteps:
         from (the prompt's last on its final chunk). Returns ((token, logprob, top ids,
         top logprobs), cache)."""
         model = self.md.bind(params)
-        window = self._window(cache, 1, context, slot)
+        window = self._slot_window(cache, slot, context)
         valid = (positions >= 0).astype(jnp.int32)
         hidden, _, window = model(tokens, positions, valid, window, adapter_ids)
         h = jax.lax.dynamic_index_in_dim(hidden, last, axis=1, keepdims=False)
-        return self._pick(model, h, settings, want_top), self._put(cache, window, slot)
+        return self._pick(model, h, settings, want_top), self._put_slot(cache, window, slot)
 
     def _decode(
         self, params, cache, tokens, positions, settings, want_top, adapter_ids, *, rows, context
@@ -204,12 +253,10 @@ class EngineSteps:
                 for f, a in pool[kind].items()
             }
             fields = {
-                f: jax.lax.dynamic_update_slice(
-                    getattr(c, f), src[f][:, None].astype(getattr(c, f).dtype), (0, slot, 0, 0, 0)
-                )
+                f: self._write_row(getattr(c, f), src[f][:, None].astype(getattr(c, f).dtype), slot)
                 for f in src
             }
-            fields["pos"] = jax.lax.dynamic_update_slice(c.pos, pos_row[:, None], (0, slot, 0))
+            fields["pos"] = self._write_row(c.pos, pos_row[:, None], slot)
             out[kind] = _replace(c, fields)
         return out
 
@@ -222,8 +269,7 @@ class EngineSteps:
         out = {}
         for kind in KINDS:
             row = {
-                f: jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False)
-                for f, a in _data(cache[kind]).items()
+                f: self._read_row(a, slot, a.shape[2])[:, 0] for f, a in _data(cache[kind]).items()
             }
             out[kind] = {
                 f: pool[kind][f]

@@ -129,6 +129,7 @@ def test_train_cli_reports_a_user_error_in_one_line(case, results):
 SHIPPED = [(name, None) for name in sorted(os.listdir(os.path.join(ROOT, "configs")))] + [
     ("tpu_v5e_lora.py", "gpt-oss-120b"), ("tpu_v5p.py", "gpt-oss-20b"),
     ("tpu_v6e.py", "gpt-oss-120b"), ("tpu_v5e.py", "gpt-oss-120b"),
+    ("tpu_grpo.py", "v5e"), ("tpu_v5e_serve.py", "gpt-oss-20b"),
 ]  # fmt: skip
 
 

@@ -18,10 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def config():
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS(["test"])
     with pytest.MonkeyPatch.context() as mp:  # the config's paths are the repository's
         mp.chdir(ROOT)
         yield gvt.load_config(gvt.shared_settings())

@@ -44,21 +44,36 @@ import time
 
 from absl import app, flags
 
-_INIT_FROM = flags.DEFINE_string("init_from", "runs/cpu_tiny", "Our checkpoint (a workdir).")
-_WORKDIR = flags.DEFINE_string(
-    "workdir", "runs/grpo_vs_trl", "Where the export and the runs go (hf/, ours/, trl/ replaced)."
-)
-_PLOT = flags.DEFINE_string("plot", "docs/grpo_vs_trl.png", "The reward curves' PNG ('' none).")
-_CONFIG = flags.DEFINE_string("config", "configs/grpo.py", "Our GRPO config (both sides read it).")
-_STEPS = flags.DEFINE_integer("steps", 30, "Optimizer steps (one rollout batch each).")
-_PROMPTS = flags.DEFINE_integer("prompts_per_step", 8, "Prompts per rollout batch.")
-_GROUP = flags.DEFINE_integer("group_size", 4, "Completions per prompt (TRL num_generations).")
-_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 8, "TRL max_completion_length.")
-_LR = flags.DEFINE_float("learning_rate", 1e-3, "Peak learning rate.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
-_SIDES = flags.DEFINE_list(
-    "sides", ["ours", "trl"], "Which to run; one left out keeps its WORKDIR/results.json numbers."
-)
+# The flags and their defaults; OPTS holds the run's values (main fills it from the flags,
+# defined only when this runs as a program: `workdir` and `config` are also train.py's).
+DEFAULTS = {
+    "init_from": ("runs/cpu_tiny", "Our checkpoint (a workdir)."),
+    "workdir": (
+        "runs/grpo_vs_trl",
+        "Where the export and the runs go (hf/, ours/, trl/ replaced).",
+    ),
+    "plot": ("docs/grpo_vs_trl.png", "The reward curves' PNG ('' none)."),
+    "config": ("configs/grpo.py", "Our GRPO config (both sides read it)."),
+    "steps": (30, "Optimizer steps (one rollout batch each)."),
+    "prompts_per_step": (8, "Prompts per rollout batch."),
+    "group_size": (4, "Completions per prompt (TRL num_generations)."),
+    "max_new_tokens": (8, "TRL max_completion_length."),
+    "learning_rate": (1e-3, "Peak learning rate."),
+    "temperature": (1.0, "Sampling temperature."),
+    "sides": (
+        ["ours", "trl"],
+        "Which to run; one left out keeps its WORKDIR/results.json numbers.",
+    ),
+}
+OPTS = {name: default for name, (default, _) in DEFAULTS.items()}
+
+
+def _define_flags():
+    define = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
+              list: flags.DEFINE_list}  # fmt: skip
+    for name, (default, help_text) in DEFAULTS.items():
+        define[type(default)](name, default, help_text)
+
 
 # Our rl.averaging -> TRL's loss_type of the same sum and normalizer (rl_losses.grpo_sums).
 LOSS_TYPES = {"sequence": "grpo", "token": "bnpo", "dr_grpo": "dr_grpo"}
@@ -71,14 +86,14 @@ LABELS = {"ours": "gpt_oss_train (JAX)", "trl": "TRL GRPOTrainer (torch)"}
 
 def shared_settings() -> dict:
     """The settings both sides take from the flags, as dotted config keys."""
-    steps = _STEPS.value
+    steps = OPTS["steps"]
     return {
         "train.steps": steps,
-        "train.global_batch_size": _PROMPTS.value * _GROUP.value,
-        "train.learning_rate": _LR.value,
-        "rl.group_size": _GROUP.value,
-        "rl.max_new_tokens": _NEW_TOKENS.value,
-        "rl.temperature": _TEMPERATURE.value,
+        "train.global_batch_size": OPTS["prompts_per_step"] * OPTS["group_size"],
+        "train.learning_rate": OPTS["learning_rate"],
+        "rl.group_size": OPTS["group_size"],
+        "rl.max_new_tokens": OPTS["max_new_tokens"],
+        "rl.temperature": OPTS["temperature"],
         # No save inside the timed steps (TRL saves nothing either); the end's is after them.
         "checkpoint.every": steps,
     }
@@ -88,7 +103,7 @@ def load_config(settings: dict):
     """Our config file with the shared settings applied, as the trainer's overrides apply."""
     from gpt_oss_train.config import from_file
 
-    c = from_file(_CONFIG.value)
+    c = from_file(OPTS["config"])
     for key, value in settings.items():
         section, name = key.split(".")
         c[section][name] = value
@@ -165,7 +180,7 @@ def export(init_from: str, hf_dir: str) -> None:
 def run_ours(settings: dict, init_from: str, workdir: str) -> dict:
     """Our trainer in a subprocess (its own JAX process, as a user runs it)."""
     _replace(workdir)
-    cmd = [sys.executable, "-m", "gpt_oss_train.train", f"--config={_CONFIG.value}"]
+    cmd = [sys.executable, "-m", "gpt_oss_train.train", f"--config={OPTS['config']}"]
     cmd += [f"--workdir={workdir}", f"--config.checkpoint.init_from={init_from}"]
     cmd += [f"--config.{k}={v}" for k, v in settings.items()]
     print(" ".join(cmd[1:]), flush=True)
@@ -410,12 +425,13 @@ def machine() -> dict:
 
 
 def main(argv):
+    OPTS.update({name: flags.FLAGS[name].value for name in DEFAULTS})
     del argv
-    wd = _WORKDIR.value
+    wd = OPTS["workdir"]
     os.makedirs(wd, exist_ok=True)
     results_path = os.path.join(wd, "results.json")
     previous = {}
-    if set(_SIDES.value) != set(SIDES) and os.path.exists(results_path):
+    if set(OPTS["sides"]) != set(SIDES) and os.path.exists(results_path):
         with open(results_path) as f:
             previous = json.load(f)
     settings = shared_settings()
@@ -424,26 +440,26 @@ def main(argv):
     results = {
         "machine": machine(),
         "settings": {
-            "prompts_per_step": _PROMPTS.value,
-            "group_size": _GROUP.value,
-            "max_new_tokens": _NEW_TOKENS.value,
-            "learning_rate": _LR.value,
-            "steps": _STEPS.value,
-            "temperature": _TEMPERATURE.value,
+            "prompts_per_step": OPTS["prompts_per_step"],
+            "group_size": OPTS["group_size"],
+            "max_new_tokens": OPTS["max_new_tokens"],
+            "learning_rate": OPTS["learning_rate"],
+            "steps": OPTS["steps"],
+            "temperature": OPTS["temperature"],
             "seq_len": c.train.seq_len,
-            "config": _CONFIG.value,
-            "init_from": _INIT_FROM.value,
+            "config": OPTS["config"],
+            "init_from": OPTS["init_from"],
         },
     }
     for side in SIDES:
-        if side not in _SIDES.value:
+        if side not in OPTS["sides"]:
             if side in previous:
                 results[side] = previous[side]
             continue
         if side == "ours":
-            results[side] = run_ours(settings, _INIT_FROM.value, os.path.join(wd, "ours"))
+            results[side] = run_ours(settings, OPTS["init_from"], os.path.join(wd, "ours"))
         else:
-            export(_INIT_FROM.value, hf_dir)
+            export(OPTS["init_from"], hf_dir)
             results[side] = run_trl(c, hf_dir, os.path.join(wd, "trl"))
         print(f"{side}: {results[side]['wall_s']:.0f} s", flush=True)
     with open(results_path, "w") as f:
@@ -451,11 +467,12 @@ def main(argv):
     if not all(side in results for side in SIDES):
         print(f"results: {results_path} (one side only: no table, no plot)")
         return
-    if _PLOT.value:
-        plot(results, _PLOT.value)
+    if OPTS["plot"]:
+        plot(results, OPTS["plot"])
     print(table(results))
     print(f"{results['machine']}\nresults: {results_path}")
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

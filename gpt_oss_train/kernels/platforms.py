@@ -11,6 +11,10 @@ from the platform of the mesh it runs on, never from the machine the compiler ru
   huge_page_weights       inference's weights on 2 MB pages (cpu/huge_pages.py): decode
                           streams them every step, and large pages spare a page walk
                           every 4 KB
+  kv_cache_select_writes  a decode step's one new key a row goes into the cache by a select
+                          over the layer's slots (model/kv_cache.py), not a scatter: on TPU
+                          the scatter runs in another layout than attention's reads, and
+                          XLA relays the whole cache out around it every step
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ class Facts:
     streams_layer_weights: bool = False
     kv_cache_bits: bool = False
     huge_page_weights: bool = False
+    kv_cache_select_writes: bool = False
 
 
 FACTS = {
     "cpu": Facts(streams_layer_weights=True, kv_cache_bits=True, huge_page_weights=True),
     "gpu": Facts(),
-    "tpu": Facts(),
+    "tpu": Facts(kv_cache_select_writes=True),
 }
 
 

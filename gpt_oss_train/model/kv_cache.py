@@ -57,12 +57,35 @@ def write(cache: KVCache, layer, k, v, positions) -> KVCache:
     position % slots; positions < 0 are not written. The rest of the stack is untouched,
     so inside the layer loop XLA updates the carried cache in place."""
     slots = cache.pos.shape[2]
+    if positions.shape[1] == 1 and platforms.facts().kv_cache_select_writes:
+        return _select_write(cache, layer, k, v, positions)
     slot = jnp.where(positions >= 0, positions % slots, slots)  # out of range -> dropped
     bidx = jnp.arange(k.shape[0])[:, None]
     put = lambda buf, x: buf.at[layer, bidx, slot].set(
         bit_moves.to_storage(x, buf.dtype), mode="drop"
     )
     pos = cache.pos.at[layer, bidx, slot].set(positions.astype(jnp.int32), mode="drop")
+    if cache.k_scale is None:
+        return KVCache(put(cache.k, k), put(cache.v, v), pos)
+    (kq, ks), (vq, vs) = quantize.quantize_kv(k), quantize.quantize_kv(v)
+    return KVCache(
+        put(cache.k, kq), put(cache.v, vq), pos, put(cache.k_scale, ks), put(cache.v_scale, vs)
+    )
+
+
+def _select_write(cache: KVCache, layer, k, v, positions) -> KVCache:
+    """write() of one token a row [b, 1, ...] as a select over the layer's slots: the
+    layer read and written whole, in whatever layout its attention reads it in."""
+    slots = cache.pos.shape[2]
+    slot = jnp.where(positions >= 0, positions % slots, -1)  # [b, 1]; -1: no slot
+    hit = jnp.arange(slots)[None, :] == slot  # [b, slots]
+
+    def put(buf, x):  # buf [layers, b, slots, ...], x [b, 1, ...]
+        where = hit.reshape(hit.shape + (1,) * (buf.ndim - 3))
+        new = jnp.where(where, bit_moves.to_storage(x, buf.dtype), buf[layer])
+        return jax.lax.dynamic_update_index_in_dim(buf, new, layer, axis=0)
+
+    pos = put(cache.pos, positions.astype(jnp.int32))
     if cache.k_scale is None:
         return KVCache(put(cache.k, k), put(cache.v, v), pos)
     (kq, ks), (vq, vs) = quantize.quantize_kv(k), quantize.quantize_kv(v)

@@ -31,14 +31,12 @@ from absl import logging
 
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.inference import loading
-from gpt_oss_train.inference.engine import Engine, EngineOptions, RequestParams
+from gpt_oss_train.inference.engine import PREFIX_BLOCK, Engine, EngineOptions, RequestParams
 from gpt_oss_train.model import lora
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import prompts as prompts_lib
 from gpt_oss_train.training import rewards as rewards_lib
 from gpt_oss_train.training import rl_losses
-
-PREFILL_BLOCK = 16  # the engine's prefill chunks are multiples of its prefix block
 
 
 def sample_seed(seed: int, step: int, row: int) -> int:
@@ -50,7 +48,8 @@ def engine_options(config) -> EngineOptions:
     """The rollout engine's shape: a slot for every row of the batch, each as long as a
     prompt plus its completion (tools/aot_compile.py compiles the same for a TPU slice)."""
     rl, rows = config.rl, config.train.global_batch_size
-    chunk = -(-min(256, rl.max_prompt_tokens) // PREFILL_BLOCK) * PREFILL_BLOCK
+    # the engine's prefill chunks are multiples of its prefix block
+    chunk = -(-min(256, rl.max_prompt_tokens) // PREFIX_BLOCK) * PREFIX_BLOCK
     return EngineOptions(
         max_slots=rows,
         max_context=rl.max_prompt_tokens + rl.max_new_tokens,

@@ -116,10 +116,6 @@ def lower_train_step(config, devices):
         return setup, setup.train_step.lower(setup.abstract_state, setup.abstract_batch())
 
 
-def _bytes_per_device(a) -> int:
-    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-
-
 def largest_arguments(setup, n: int) -> list[tuple[int, str]]:
     """The n largest per-device argument arrays of the step, (bytes, "path shape dtype"):
     named from the trees the step is called with (state, and a LoRA run's frozen base)."""
@@ -132,7 +128,7 @@ def largest_arguments(setup, n: int) -> list[tuple[int, str]]:
     for key_path, a in jax.tree_util.tree_leaves_with_path(trees):
         name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
         shard = a.sharding.shard_shape(a.shape)
-        rows.append((_bytes_per_device(a), f"{name} {a.dtype}{list(shard)}"))
+        rows.append((compiled_step.bytes_per_device(a), f"{name} {a.dtype}{list(shard)}"))
     return sorted(rows, key=lambda r: -r[0])[:n]
 
 
@@ -148,7 +144,7 @@ def _state_figures(setup, devices) -> dict:
     abstract = setup.abstract_state
     leaves = jax.tree.leaves({"params": abstract["params"], "opt_state": abstract["opt_state"]})
     state_bytes = sum(a.size * a.dtype.itemsize for a in leaves)
-    state_per_device = sum(map(_bytes_per_device, leaves))
+    state_per_device = compiled_step.bytes_per_device(leaves)
     param_axes = {
         ax
         for s in jax.tree.leaves(setup.state_shardings["params"])
@@ -164,7 +160,7 @@ def _state_figures(setup, devices) -> dict:
         "state_bytes_per_device": state_per_device,
         # LoRA: the frozen base, an argument of the step beside the (adapter) state
         "frozen_format": setup.frozen.format if setup.frozen is not None else None,
-        "frozen_bytes_per_device": sum(map(_bytes_per_device, jax.tree.leaves(frozen))),
+        "frozen_bytes_per_device": compiled_step.bytes_per_device(frozen),
         "params_trainable": sum(a.size for a in jax.tree.leaves(abstract["params"])),
         "state_bytes_even_split": state_bytes / math.prod(setup.mesh.shape[a] for a in param_axes),
         "state_split_axes": sorted(param_axes),
@@ -222,7 +218,7 @@ def compile_grpo(config, devices, dump_dir: str | None) -> dict:
     out = {"learner": learner}
     for program in aot_serving.ENGINE_PROGRAMS:
         t0 = time.perf_counter()
-        _, cache, lowered = aot_serving.lower(
+        cache, lowered = aot_serving.lower(
             setup.model_def, setup.mesh, setup.rules, policy, program, shape
         )
         info = aot_serving.figures(
@@ -235,9 +231,9 @@ def compile_grpo(config, devices, dump_dir: str | None) -> dict:
         )
     # Resident beside the engine's step: the optimizer state and a full fine-tuning run's
     # reference copy (the policy's own weights are its arguments).
-    beside = aot_serving.bytes_per_device(state["opt_state"])
+    beside = compiled_step.bytes_per_device(state["opt_state"])
     if setup.reference is not None:
-        beside += aot_serving.bytes_per_device(setup.reference.abstract)
+        beside += compiled_step.bytes_per_device(setup.reference.abstract)
     out["phases"] = aot_serving.phases(out, beside)
     out["rollout_estimate"] = aot_serving.rollout_estimate(out, config)
     return out
@@ -592,6 +588,8 @@ def serving_report(r: dict) -> str:
 def _define_flags():
     """Defined when run as a program only, so tests can import this module beside
     gpt_oss_train.train (which defines its own --config)."""
+    from gpt_oss_train.config import BASE_FORMATS
+
     config_flags.DEFINE_config_file("config", "configs/tpu_v5e.py", "Config file.")
     flags.DEFINE_string(
         "topology", "v5e:16x16", "TPU slice as libtpu names it: v5e:16x16, v6e:8x8, v5p:4x4x4"
@@ -626,7 +624,7 @@ def _define_flags():
     flags.DEFINE_enum(
         "weights",
         "param_dtype",
-        ["param_dtype", "bfloat16", "int8", "mxfp4"],
+        list(BASE_FORMATS),
         "decode/prefill: the weights' form (model/frozen_base.py; mxfp4: the experts kept "
         "packed as the published checkpoints store them, other matrices bfloat16).",
     )

@@ -20,7 +20,6 @@ places them.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from gpt_oss_train.tools import compiled_step
@@ -37,16 +36,6 @@ class Shape:
     context: int
     chunk: int
     int8_kv_cache: bool = False
-
-
-def _per_device(a) -> int:
-    return math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
-
-
-def bytes_per_device(tree) -> int:
-    import jax
-
-    return sum(map(_per_device, jax.tree.leaves(tree)))
 
 
 def serving_model(config, devices, weights: str):
@@ -71,7 +60,7 @@ def serving_model(config, devices, weights: str):
 
 
 def lower(md, mesh, rules, params, program: str, shape: Shape):
-    """(the engine's steps, the abstract KV cache, `program` lowered for the mesh)."""
+    """(the abstract KV cache, `program` lowered for the mesh)."""
     import jax
     import jax.numpy as jnp
 
@@ -118,7 +107,7 @@ def lower(md, mesh, rules, params, program: str, shape: Shape):
                 params, cache, i32(), i32(1, shape.chunk), i32(1, shape.chunk), i32(),
                 settings, want_top, adapter_ids, context=shape.context,
             )  # fmt: skip
-    return steps, cache, lowered
+    return cache, lowered
 
 
 def figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices) -> dict:
@@ -136,8 +125,8 @@ def figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices)
         "device_kind": devices[0].device_kind,
         "params_total": counts["total"],
         "params_active": counts["active"],
-        "weights_bytes_per_device": bytes_per_device(params),
-        "kv_cache_bytes_per_device": bytes_per_device(cache),
+        "weights_bytes_per_device": compiled_step.bytes_per_device(params),
+        "kv_cache_bytes_per_device": compiled_step.bytes_per_device(cache),
         "tokens_per_step": tokens,
         "loop_trips": {"layer_blocks": md.cfg.num_blocks if md.cfg.scan_layers else 1},
         # Every token against the whole context: decode at the last position of the
@@ -155,7 +144,7 @@ def compile_program(
     """Lowers and compiles the engine's `program` for `devices`; its figures per device."""
     t0 = time.perf_counter()
     md, mesh, rules, params = serving_model(config, devices, weights)
-    _, cache, lowered = lower(md, mesh, rules, params, program, shape)
+    cache, lowered = lower(md, mesh, rules, params, program, shape)
     info = figures(md, mesh, rules, params, cache, program, shape, devices)
     info["weights"] = weights if weights != "param_dtype" else config.param_dtype
     info["lower_s"] = time.perf_counter() - t0

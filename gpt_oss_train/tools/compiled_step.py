@@ -14,6 +14,15 @@ import math
 import time
 
 
+def bytes_per_device(tree) -> int:
+    """Bytes of one device's shards of an array or a tree of (abstract) sharded arrays."""
+    import jax
+
+    return sum(
+        math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)
+    )
+
+
 def ragged_rows(moe_impl: str, mesh, rules) -> float:
     """The share of a grouped matmul's rows that hold data: expert parallelism sizes them
     for the worst routing (every pair on one shard), so under balanced routing a ragged

@@ -151,7 +151,7 @@ TPU_LIKE = """HloModule tpu_like, entry_computation_layout={()->f32[4,8]}, num_p
   %next = s32[]{:S(1)} add(%ic, %one)
   %h = f32[4,8]{1,0:S(1)} get-tuple-element(%t), index=1
   %ws = f32[3,4,8]{2,1,0} get-tuple-element(%t), index=2
-  %w = f32[4,8]{1,0:S(1)} fusion(%ws, %i), kind=kLoop, calls=%slice_layer
+  %w = f32[4,8]{1,0:S(1)} fusion(%ws, %i), kind=kLoop, calls=%slice_layer, metadata={op_name="jit(step)/while/body/layer" source_line=7}
   %d = f32[4,4]{1,0:S(1)} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
   %cp = f32[4,8]{1,0:S(1)} collective-permute(%h), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
   %nh = f32[4,8]{1,0:S(1)} add(%cp, %w)
@@ -218,6 +218,11 @@ def test_tpu_forms_counted_by_hand():
     # HBM: only arrays outside S(1). The loop reads one [4, 8] f32 layer of the stack a
     # trip (not the whole [3, 4, 8]); the reduce-scatter fusion reads its [8, 8] input.
     assert acct.hbm_bytes == 3 * 4 * 8 * 4 + 8 * 8 * 4
+    # ... and those two, largest first, name where the HBM term goes
+    assert [(t.bytes, t.runs, t.opcode, t.source) for t in acct.traffic] == [
+        (3 * 4 * 8 * 4, 3, "fusion", "jit(step)/while/body/layer"),
+        (8 * 8 * 4, 1, "fusion", ""),
+    ]
     assert _collectives(acct) == [
         ("all-gather", 4 * 8 * 4, 4, ("x",), 1, 3 / 4 * 128),  # start and done: once
         ("collective-permute", 4 * 8 * 4, 2, ("x",), 3, 128),

@@ -43,6 +43,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -384,6 +385,7 @@ def _step_lines(r: dict) -> list[str]:
         ]
         + _collective_lines(m)
         + _custom_call_lines(m)
+        + _traffic_lines(m)
         + _estimate_lines(r["estimate"])
         + [f"  note      {n}" for n in m["notes"]]
     )
@@ -414,6 +416,21 @@ def _custom_call_lines(m: dict) -> list[str]:
         + (f"{row['flops']:.3e}" if row["flops"] is not None else "not costed")
         for name, row in m["custom_calls"].items()
     ]
+
+
+def _traffic_lines(m: dict) -> list[str]:
+    """The instructions that move the most HBM bytes in a step, with the JAX operation
+    each came from: where the HBM term of the estimate goes."""
+    rows = m.get("traffic") or []
+    if not rows:
+        return []
+    lines = ["  HBM traffic, largest instructions (bytes a step; runs; opcode; shape; source):"]
+    for t in rows:
+        shape = re.sub(r"\{[^{}]*\}", "", t["shape"])[:44]  # without layouts
+        source = t["source"].split("/")[-3:] if t["source"] else ["?"]
+        lines.append(f"    {_size(t['bytes']):>11} {t['runs']:5.0f}  {t['opcode'][:14]:14s} "
+                     f"{shape:44s} {'/'.join(source)[-60:]}")  # fmt: skip
+    return lines
 
 
 def _estimate_lines(e: dict) -> list[str]:

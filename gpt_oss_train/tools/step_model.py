@@ -35,6 +35,7 @@ slice, DCN across slices). docs/AOT.md states the model's blind spots.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from gpt_oss_train import hardware
 from gpt_oss_train.tools import hlo_costs
@@ -63,6 +64,22 @@ class StepAccount:
     custom_calls: list[CustomCall] = dataclasses.field(default_factory=list)
     loops: list[hlo_costs.Loop] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    traffic: list[Traffic] = dataclasses.field(default_factory=list)  # largest first
+
+
+@dataclasses.dataclass
+class Traffic:
+    """One instruction's HBM bytes over the step (read + written, times its runs)."""
+
+    bytes: float
+    runs: float
+    opcode: str
+    shape: str
+    source: str  # the JAX operation it came from (XLA's op_name), "" if none
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+TOP_TRAFFIC = 12  # instructions kept in the account, largest first
 
 
 def _custom_call(comp: Computation, inst: Inst, runs: float, ragged_rows: float) -> CustomCall:
@@ -97,11 +114,17 @@ def account(
                 acct.custom_calls.append(call)
                 acct.custom_call_flops += times * (call.flops or 0.0)
             if name not in fused:
-                acct.hbm_bytes += times * hlo_costs.hbm_bytes(module, comp, inst)
+                moved = times * hlo_costs.hbm_bytes(module, comp, inst)
+                acct.hbm_bytes += moved
+                if moved:
+                    source = _OP_NAME.search(inst.attrs)
+                    acct.traffic.append(Traffic(moved, times, inst.opcode, inst.shape,
+                                                source.group(1) if source else ""))  # fmt: skip
             coll = hlo_costs.collective(module, comp, inst, mesh, times)
             if coll:
                 acct.collectives.append(coll)
     acct.flops += acct.custom_call_flops
+    acct.traffic = sorted(acct.traffic, key=lambda t: -t.bytes)[:TOP_TRAFFIC]
     if ragged_rows != 1.0:
         notes.append(
             f"ragged dots: FLOPs of {ragged_rows:.3g} of their rows (buffers sized for the "
@@ -158,6 +181,7 @@ def summary(acct: StepAccount) -> dict:
         "collectives_by_axes": _grouped(acct.collectives, _axes_key),
         "custom_calls": _kernels(acct.custom_calls),
         "loops": [dataclasses.asdict(lp) for lp in acct.loops],
+        "traffic": [dataclasses.asdict(t) for t in acct.traffic],
         "notes": list(acct.notes),
     }
 

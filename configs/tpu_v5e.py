@@ -3,13 +3,14 @@
 20.9B params x (4 B param + 8 B Adam) = 251 GB of state. Experts shard 4 ways over
 `expert` (32 experts -> 8 per chip) and 64 ways FSDP; the other weights shard FSDP 64
 ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequence of
-4096 tokens per chip, full remat, splash attention, expert-parallel MoE.
+4096 tokens per chip, full remat, splash attention, expert-parallel MoE, the unembedding
+gathered once for the loss (train.loss_gather_once).
 
 Checked from a CPU with the compiler the pod runs (libtpu 0.0.42.1, jax 0.10.2's pin;
-the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-28:
+the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-29:
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e.py --topology=v5e:16x16
-  -> arguments 1.31 GiB, temporaries 12.20 GiB, total 13.76 GiB of 16 GiB per chip: fits;
-     the step model's estimate 3.0 s a step, 1,363 tokens/s a chip (docs/AOT.md).
+  -> arguments 1.31 GiB, temporaries 12.24 GiB, total 13.79 GiB of 16 GiB per chip: fits;
+     the step model's estimate 2.76 s a step, 1,484 tokens/s a chip (docs/AOT.md).
 With expert=8 the same step needed 21.8 GiB (17.1 GiB with libtpu 0.0.52).
 `:gpt-oss-120b` gives the 120b shape; configs/tpu_v5p.py runs it on v5p:8x8x8.
 """
@@ -35,6 +36,7 @@ def get_config(model: str = "gpt-oss-20b"):
         warmup_steps=500,
         log_every=10,
         loss_chunk_size=512,
+        loss_gather_once=True,
         eval_every=1000,
     )
     c.checkpoint.update(every=500, keep=3)

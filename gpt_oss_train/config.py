@@ -128,10 +128,11 @@ def default_config() -> ml_collections.ConfigDict:
             aux_loss_coef=0.01,  # MoE load balancing
             z_loss_coef=0.0,
             loss_chunk_size=1024,  # tokens per chunk of the vocabulary projection + loss
-            # With the unembedding split over FSDP: gather it once for all loss chunks and
-            # sum its gradient once (a reduce-scatter), instead of an all-gather and an
-            # all-reduce of the whole matrix per chunk. Fewer collective bytes; the gathered
-            # matrix and its full gradient take memory for the whole loss (training/loss.py).
+            # With the unembedding split over FSDP: gather it once for all loss chunks,
+            # forward and backward, and reduce-scatter each chunk's gradient to its shard
+            # (training/loss.py), instead of the partitioner's all-gather per chunk (and
+            # again in the recompute) and all-reduce of whole gradients. The gathered matrix
+            # stays in memory through the loss.
             loss_gather_once=False,
             log_every=10,
             eval_every=0,  # 0: no periodic eval

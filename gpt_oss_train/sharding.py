@@ -294,6 +294,26 @@ def axes_index(axes: tuple[str, ...]):
     return idx
 
 
+# libtpu (0.0.42.1) runs a reduce-scatter of more than about 256 MiB as an all-reduce of
+# the whole array and a slice of it: twice the bytes on the links and a whole-size buffer
+# (measured: [2880, 32768] bf16 stays a reduce-scatter, [2880, 50272] does not).
+_REDUCE_SCATTER_PIECE_BYTES = 128 << 20
+
+
+def reduce_scatter(x, axes: tuple[str, ...], axis: int):
+    """psum_scatter of x over `axes` along `axis` (tiled; inside shard_map), in pieces
+    along its last other axis small enough to stay reduce-scatters (above)."""
+    if not axes:
+        return x
+    pieces = -(-x.size * x.dtype.itemsize // _REDUCE_SCATTER_PIECE_BYTES)
+    along = max(a for a in range(x.ndim) if a != axis) if x.ndim > 1 else axis
+    if pieces <= 1 or along == axis:
+        return jax.lax.psum_scatter(x, axes, scatter_dimension=axis, tiled=True)
+    parts = jnp.array_split(x, min(pieces, x.shape[along]), axis=along)
+    scatter = lambda p: jax.lax.psum_scatter(p, axes, scatter_dimension=axis, tiled=True)
+    return jnp.concatenate([scatter(p) for p in parts], axis=along)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def gather_weight(x, axes: tuple[str, ...], axis: int, dtype):
     """A weight's shards over `axes` joined along `axis` in the compute `dtype` (inside
@@ -309,8 +329,32 @@ def _gather_weight_fwd(x, axes, axis, dtype):
 
 
 def _gather_weight_bwd(axes, axis, dtype, like, g):
-    g = g.astype(like.dtype)
-    return (jax.lax.psum_scatter(g, axes, scatter_dimension=axis, tiled=True) if axes else g,)
+    # Reduced in the compute dtype it was computed in, as the partitioner reduces every
+    # other weight's gradient (half the bytes of a float32 reduce-scatter), then widened.
+    return (reduce_scatter(g, axes, axis).astype(like.dtype),)
 
 
 gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def joined(shard, whole, axes: tuple[str, ...], axis: int):
+    """`whole` (this weight shard joined with the others over `axes` along `axis`, in the
+    compute dtype: gather_weight's result, gathered once by the caller) for one use, inside
+    shard_map; the use's gradient comes back to `shard` reduce-scattered over `axes` right
+    away, so no device accumulates a whole-matrix gradient over several uses."""
+    return whole
+
+
+def _joined_fwd(shard, whole, axes, axis):
+    return whole, jnp.zeros((), shard.dtype)
+
+
+def _joined_bwd(axes, axis, like, g):
+    g = reduce_scatter(g, axes, axis)
+    # The barrier keeps XLA from moving the reduction out of the caller's loop (summing the
+    # whole gradients first and reducing once: fewer collectives, a whole-matrix buffer).
+    return jax.lax.optimization_barrier(g).astype(like.dtype), None
+
+
+joined.defvjp(_joined_fwd, _joined_bwd)

@@ -155,3 +155,21 @@ def test_softmax_kernels_match_float64(vocab, cpu_kernel):
     ref_g = scale[:, None] * p64 + np.where(onehot, add[:, None], 0.0)
     assert g.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(g, np.float64), ref_g, rtol=2**-8, atol=1e-30)
+
+
+def test_reduce_scatter_in_pieces_sums_each_devices_share(monkeypatch):
+    """sharding.reduce_scatter (the unembedding's and experts' gradients back to their
+    FSDP shards) split into pieces along another axis, as libtpu needs for large arrays:
+    each device gets the sum over devices of its block, as numpy computes it."""
+    monkeypatch.setattr(sharding, "_REDUCE_SCATTER_PIECE_BYTES", 4 * 16 * 5)  # 7 pieces
+    mesh = sharding.make_mesh(dict(data=1, fsdp=8, tensor=1, expert=1))
+    parts = np.random.RandomState(3).randn(8, 16, 33).astype(np.float32)  # one per device
+
+    def local(x):
+        return sharding.reduce_scatter(x[0], ("fsdp",), 0)
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=jax.P("fsdp"),
+                               out_specs=jax.P("fsdp"), check_vma=False))  # fmt: skip
+    text = fn.lower(parts).as_text()
+    assert text.count("reduce_scatter") == 7
+    np.testing.assert_allclose(fn(parts), parts.astype(np.float64).sum(0), rtol=1e-6, atol=1e-6)

@@ -408,3 +408,54 @@ def test_tpu_megablox_grouped_matmul_and_its_gradients_equal_the_reference():
     np.testing.assert_allclose(dw, rdw, rtol=0, atol=1e-2 * float(np.abs(rdw).max()))
     assert np.all(np.asarray(dw)[1] == 0)  # the empty group
     np.testing.assert_array_equal(megablox.grouped_matmul(x, w, sizes)[200:], 0)
+    # products written in bfloat16 (accumulated in float32): the reference's, rounded
+    y16 = megablox.grouped_matmul(x, w, sizes, out_dtype=jnp.bfloat16)
+    assert y16.dtype == jnp.bfloat16
+    want16 = gm.tiled(x, w, sizes).astype(jnp.bfloat16)
+    np.testing.assert_allclose(np.float32(y16), np.float32(want16), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.float32(y16[200:]), 0)
+
+
+def test_expert_products_in_the_compute_dtype(monkeypatch):
+    """platforms.Facts.expert_products_in_compute_dtype (TPU, GPU; forced here on the CPU):
+    the grouped matmuls write bfloat16 products (accumulated in float32) and the expert
+    outputs stay bfloat16 until the weighted sum. On an expert mesh, outputs and
+    gradients against the dense float64 reference within bfloat16 rounding (2e-2 of the
+    largest value), and not equal to the float32-products path's (they did round). The
+    inputs are scaled so no product lands near the activation's clamp, where a rounding
+    can flip a gradient between 0 and 1."""
+    from gpt_oss_train.kernels import platforms
+
+    x, kernel_w, bias, w = _moe_inputs(t=32)
+    x = x / 4
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    weights, idx, _ = moe_lib.route(f32(x), f32(kernel_w), f32(bias), 2)
+    proj = np.random.RandomState(1).randn(*x.shape)  # a linear loss: its cotangent exact
+
+    def loss_fn(fn, dtype):
+        def loss(x, wts, w):
+            ew = moe_lib.ExpertWeights(**{n: a.astype(dtype) for n, a in w.items()})
+            y = fn(x.astype(dtype), wts, idx, ew, dtype=dtype, **GLU)
+            return jnp.sum(y * proj.astype(y.dtype)), y
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+    with jax.enable_x64(True):
+        args64 = (jnp.asarray(x), jnp.asarray(weights, jnp.float64), w)
+        ref = jax.tree.map(np.asarray, loss_fn(moe_lib.dense_experts, jnp.float64)(*args64))
+    mesh = sharding.make_mesh(dict(data=2, fsdp=1, tensor=1, expert=4))
+    args = (f32(x), weights, jax.tree.map(f32, w))
+
+    def run(products_in_compute_dtype):
+        facts = platforms.Facts(expert_products_in_compute_dtype=products_in_compute_dtype)
+        monkeypatch.setitem(platforms.FACTS, "cpu", facts)
+        with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
+            grad = jax.jit(loss_fn(moe_lib.sharded_experts, jnp.bfloat16))
+            return jax.tree.map(lambda a: np.asarray(a, np.float64), grad(*args))
+
+    got, wide = run(True), run(False)
+    scale = lambda a: 2e-2 * max(1.0, np.abs(a).max())
+    for path, g, r in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got),
+                          jax.tree.leaves(ref)):  # fmt: skip
+        np.testing.assert_allclose(g, r, atol=scale(r), err_msg=str(path[0]))
+    assert not np.array_equal(got[1], wide[1])  # the outputs were rounded on the way

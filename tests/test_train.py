@@ -107,7 +107,7 @@ def test_expert_parallel_all_to_all_trains_as_the_gather(tmp_path):
 @pytest.mark.full
 def test_loss_gathering_the_unembedding_once_trains_as_per_chunk(single_device_losses, tmp_path):
     """train.loss_gather_once: the loss's rows per device under shard_map, the unembedding
-    gathered once and its gradient reduce-scattered once; the same losses as one device
+    gathered once and each chunk's gradient reduce-scattered; the same losses as one device
     (float32 sums in another order: within the mesh tests' 1e-5)."""
     c = tiny_config()
     c.mesh.update(data=1, fsdp=4, tensor=1, expert=2)

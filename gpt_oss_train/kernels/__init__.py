@@ -82,13 +82,14 @@ class Kernels:
         return self._run("cache_attention", q, cache, layer, sinks, positions=positions,
                          window=window)  # fmt: skip
 
-    def grouped_matmul(self, x, w, group_sizes):
-        """x [M, K] times w[g] [K, N] for each group g's contiguous rows -> float32 [M, N]."""
-        return self._run("grouped_matmul", x, w, group_sizes)
+    def grouped_matmul(self, x, w, group_sizes, out_dtype=None):
+        """x [M, K] times w[g] [K, N] for each group g's contiguous rows -> [M, N],
+        accumulated in float32 and written in it, or in `out_dtype`."""
+        return self._run("grouped_matmul", x, w, group_sizes, out_dtype=out_dtype)
 
     def gated_activation(self, gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
-        """The experts' clamped SwiGLU of float32 gate/up [R, F] plus each row's expert's
-        biases -> the activation in `dtype`."""
+        """The experts' clamped SwiGLU of gate/up [R, F] (float32, or the compute dtype)
+        plus each row's expert's biases -> the activation in `dtype`."""
         return self._run("gated_activation", gate, up, bias_gate, bias_up, experts,
                          limit=limit, alpha=alpha, dtype=dtype)  # fmt: skip
 

@@ -15,6 +15,12 @@ from the platform of the mesh it runs on, never from the machine the compiler ru
                           over the layer's slots (model/kv_cache.py), not a scatter: on TPU
                           the scatter runs in another layout than attention's reads, and
                           XLA relays the whole cache out around it every step
+  expert_products_in_compute_dtype
+                          the MoE's grouped matmuls write their products in the compute
+                          dtype (accumulated in float32 inside): the expert buffers, sized
+                          for the worst routing, are the largest arrays of a TPU step and
+                          every elementwise pass over them is paid in HBM bytes. The CPU
+                          kernels take float32 products (its GLU kernel reads them)
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ class Facts:
     kv_cache_bits: bool = False
     huge_page_weights: bool = False
     kv_cache_select_writes: bool = False
+    expert_products_in_compute_dtype: bool = False
 
 
 FACTS = {
     "cpu": Facts(streams_layer_weights=True, kv_cache_bits=True, huge_page_weights=True),
-    "gpu": Facts(),
-    "tpu": Facts(kv_cache_select_writes=True),
+    "gpu": Facts(expert_products_in_compute_dtype=True),
+    "tpu": Facts(kv_cache_select_writes=True, expert_products_in_compute_dtype=True),
 }
 
 

@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train import config, sharding
 from gpt_oss_train.arrays.layer_views import whole
-from gpt_oss_train.kernels import AUTO_KERNELS, Kernels
-from gpt_oss_train.kernels.xla.experts import ExpertLoRA, ExpertWeights, glu
+from gpt_oss_train.kernels import AUTO_KERNELS, Kernels, platforms
+from gpt_oss_train.kernels.xla.experts import ExpertLoRA, ExpertWeights, glu, unsort_rows
 from gpt_oss_train.model import remat, streamed_weights
 
 
@@ -124,10 +124,13 @@ def _grouped_ffn(
 ):
     """Rows already sorted by expert; group_sizes[e] rows belong to expert e. Rows past
     sum(group_sizes) (if any) come out as zeros. LoRA factors (w.lora) are grouped by
-    lora_group_sizes (default group_sizes; several adapters: (expert, adapter) groups)."""
+    lora_group_sizes (default group_sizes; several adapters: (expert, adapter) groups).
+    Outputs float32, or the compute dtype where the platform keeps the products in it
+    (platforms.Facts.expert_products_in_compute_dtype)."""
     f32 = jnp.float32
     x = x_rd.astype(dtype)
-    product = lambda a, m, sizes: kernels.grouped_matmul(a, m, sizes)
+    out = dtype if platforms.facts().expert_products_in_compute_dtype else None
+    product = lambda a, m, sizes: kernels.grouped_matmul(a, m, sizes, out_dtype=out)
     gate = checkpoint_name(product(x, w.wi_gate, group_sizes), remat.EXPERT_PRODUCTS)
     up = checkpoint_name(product(x, w.wi_up, group_sizes), remat.EXPERT_PRODUCTS)
     lo = w.lora
@@ -144,7 +147,7 @@ def _grouped_ffn(
     if lo is not None and lo.a_out is not None:
         y = y + _grouped_low_rank(kernels, act, lo.a_out, lo.b_out, lgs, dtype)
     if add_out_bias:
-        y = y + w.bo.astype(f32)[e]
+        y = (y + w.bo.astype(f32)[e]).astype(y.dtype)
     return y
 
 
@@ -185,7 +188,7 @@ def grouped_experts(
         dtype=dtype,
         lora_group_sizes=lora_group_sizes,
     )
-    y = jnp.zeros_like(y).at[order].set(y).reshape(t, k, -1)  # back to (token, choice)
+    y = unsort_rows(y, order).reshape(t, k, -1)  # back to (token, choice)
     return jnp.einsum("tk,tkd->td", weights_tk, y)
 
 
@@ -266,7 +269,8 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
     def experts(rows, key, group_sizes):
         y = _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
         bias = lw.bo.astype(jnp.float32)[jnp.clip(key, 0, local_e - 1)]
-        return jnp.where((key < local_e)[:, None], y + jnp.where(add_bias, bias, 0.0), 0.0)
+        y_b = (y + jnp.where(add_bias, bias, 0.0)).astype(y.dtype)
+        return jnp.where((key < local_e)[:, None], y_b, jnp.zeros((), y.dtype))
 
     return kernels.expert_parallel(experts, x, wts, idx, local_e=local_e, expert_axes=exp_axes,
                                    token_axes=token_axes, mlp_axes=mlp_axes,

@@ -33,18 +33,20 @@ def token_logprobs(
 
     `gather_once` (config.train.loss_gather_once), on a mesh whose rules split the
     unembedding's model dimension (FSDP) but not its vocabulary: each device runs its own
-    rows under shard_map with the unembedding gathered once for all chunks, and its
-    gradient summed once (a reduce-scatter). Without it the partitioner does both once
-    per chunk (an all-gather and an all-reduce of the whole [d, vocab] matrix each), but
-    holds the gathered matrix and its gradient for one chunk only."""
+    rows under shard_map with the unembedding gathered once for all chunks, forward and
+    backward, and each chunk's weight gradient reduce-scattered to the device's shard at
+    once. Without it the partitioner gathers the whole [d, vocab] matrix per chunk (twice:
+    the backward recomputes the chunk) and all-reduces whole gradients."""
     plan = _per_device_plan(hidden_bsd.shape, unembed_dv.shape) if gather_once else None
     if plan is None:
-        return _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels)
+        w = unembed_dv.astype(dtype)
+        return _token_logprobs(hidden_bsd, lambda: w, targets_bs, chunk, dtype, kernels)
     mesh, rows, embed_axes = plan
 
     def local(h, w, t):
-        w = sharding.gather_weight(w, embed_axes, 0, dtype)
-        return _token_logprobs(h, w, t, chunk, dtype, kernels)
+        whole = jax.lax.stop_gradient(sharding.gather_weight(w, embed_axes, 0, dtype))
+        weight = lambda: sharding.joined(w, whole, embed_axes, 0)
+        return _token_logprobs(h, weight, t, chunk, dtype, kernels)
 
     w_spec = P(sharding.spec_entry(embed_axes), None)
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(rows), w_spec, P(rows)),
@@ -74,7 +76,8 @@ def _per_device_plan(hidden_shape, unembed_shape):
     return mesh, rows, embed_axes
 
 
-def _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels):
+def _token_logprobs(hidden_bsd, weight, targets_bs, chunk, dtype, kernels):
+    """`weight()`: the unembedding [d, vocab] in the compute dtype, as one chunk uses it."""
     b, s, d = hidden_bsd.shape
     chunk = min(chunk, s)
     pad = (-s) % chunk
@@ -86,11 +89,10 @@ def _token_logprobs(hidden_bsd, unembed_dv, targets_bs, chunk, dtype, kernels):
     # sharding, so no device waits on another's rows.
     h = jnp.moveaxis(hidden_bsd.reshape(b, n, chunk, d), 1, 0)
     t = jnp.moveaxis(targets_bs.reshape(b, n, chunk), 1, 0)
-    w = unembed_dv.astype(dtype)
 
     def one(carry, xs):
         hc, tc = xs
-        return carry, kernels.cross_entropy(hc.astype(dtype), w, tc)
+        return carry, kernels.cross_entropy(hc.astype(dtype), weight(), tc)
 
     if n > 1:  # one chunk's logits at a time: the backward recomputes each chunk's
         one = jax.checkpoint(one)

@@ -30,7 +30,7 @@ def unavailable(platform: str = "cpu") -> str | None:
     return build.unavailable("grouped_matmul.cc", HANDLERS, CPU_FLAG)
 
 
-def accepts(x, w, group_sizes=None) -> bool:
+def accepts(x, w, group_sizes=None, out_dtype=None) -> bool:
     """One device, bfloat16 rows, float32 or bfloat16 matrices (an array or a view of a
     stack; not an int8 QArray or MXFP4Array) of even sides."""
     stack = stack_of(w)
@@ -50,17 +50,19 @@ def reads_in_place(dtype, stack) -> bool:
     return jnp.dtype(dtype) == jnp.bfloat16 and accepts(jnp.zeros((0, 2), jnp.bfloat16), stack)
 
 
-def grouped_matmul(x_mk, w, group_sizes):
-    """x [M, K] @ w[g] for each group's rows -> float32 [M, N] (rows past the groups are
-    zeros); w a [G, K, N] array (differentiable), a LayerView of such layers or a
-    TrainingView (read in place, differentiable in its value)."""
+def grouped_matmul(x_mk, w, group_sizes, out_dtype=None):
+    """x [M, K] @ w[g] for each group's rows -> float32 [M, N] (or `out_dtype`; rows past
+    the groups are zeros); w a [G, K, N] array (differentiable), a LayerView of such
+    layers or a TrainingView (read in place, differentiable in its value)."""
     build.require("grouped_matmul.cc", HANDLERS, CPU_FLAG)
     sizes = group_sizes.astype(jnp.int32)
     if isinstance(w, LayerView):  # inference: no gradient
-        return _product(x_mk, w.stack, w.layer, sizes, transpose=False)
-    if isinstance(w, TrainingView):
-        return _in_place(x_mk, w.value, w.stack, w.layer, sizes)
-    return _in_place(x_mk, w, w[None], jnp.int32(0), sizes)
+        y = _product(x_mk, w.stack, w.layer, sizes, transpose=False)
+    elif isinstance(w, TrainingView):
+        y = _in_place(x_mk, w.value, w.stack, w.layer, sizes)
+    else:
+        y = _in_place(x_mk, w, w[None], jnp.int32(0), sizes)
+    return y if out_dtype is None else y.astype(out_dtype)
 
 
 def matmul(x, w, *, transpose: bool = False):

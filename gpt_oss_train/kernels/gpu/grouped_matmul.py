@@ -32,7 +32,7 @@ def _mgpu_tiles(k: int, n: int) -> dict | None:
     return None
 
 
-def accepts(x, w, group_sizes=None) -> bool:
+def accepts(x, w, group_sizes=None, out_dtype=None) -> bool:
     """Hopper (compute capability 9.x), bfloat16 operands, tile-divisible sides."""
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         return False
@@ -81,6 +81,6 @@ def _mgpu_bwd(res, dy):
 _mgpu_grouped_matmul.defvjp(_mgpu_fwd, _mgpu_bwd)
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x, w, group_sizes, out_dtype=None):
     w = w.astype(x.dtype)  # a stand-in (layer view) made dense: the kernel reads arrays
-    return _mgpu_grouped_matmul(x, w, group_sizes).astype(jnp.float32)
+    return _mgpu_grouped_matmul(x, w, group_sizes).astype(out_dtype or jnp.float32)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 TILE = 512  # rows, depth and columns per block (the kernel masks ragged depth and columns)
 
 
-def accepts(x, w, group_sizes) -> bool:
+def accepts(x, w, group_sizes, out_dtype=None) -> bool:
     """Rows in whole blocks (the kernel tiles rows without masking them)."""
     return x.shape[0] % _tiles(x, w)[0] == 0
 
@@ -26,7 +26,7 @@ def _tiles(x, w) -> tuple[int, int, int]:
     return min(TILE, m), min(TILE, k), min(TILE, w.shape[-1])
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x, w, group_sizes, out_dtype=None):
     from gpt_oss_train import sharding
     from gpt_oss_train.kernels.tpu import ragged_dot
 
@@ -34,11 +34,12 @@ def grouped_matmul(x, w, group_sizes):
     if ctx is not None and ctx[0].size > 1 and not sharding.inside_shard_map():
         # A Pallas kernel runs per device (inside shard_map, as expert parallelism calls
         # it); on a mesh outside one, XLA's ragged dot, which the partitioner splits.
-        return ragged_dot.grouped_matmul(x, w, group_sizes)
+        return ragged_dot.grouped_matmul(x, w, group_sizes, out_dtype)
     w = w.astype(x.dtype)  # a stand-in (int8, layer view) made dense
     # Off a TPU (tests on a CPU) the same kernels run in Pallas' interpreter.
     interpret = sharding.platform() != "tpu"
-    return _gmm(x, w, group_sizes.astype(jnp.int32), interpret)
+    out = jnp.dtype(out_dtype or jnp.float32)
+    return _gmm(x, w, group_sizes.astype(jnp.int32), interpret, out)
 
 
 def _kernels():
@@ -51,17 +52,18 @@ def _rows_in_groups(y, sizes):
     return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(sizes))[:, None], y, jnp.zeros((), y.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm(x, w, sizes, interpret):
-    y = _kernels().gmm(x, w, sizes, jnp.float32, _tiles(x, w), interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(x, w, sizes, interpret, out_dtype):
+    # accumulated in float32 inside the kernel whatever it writes out
+    y = _kernels().gmm(x, w, sizes, out_dtype, _tiles(x, w), interpret=interpret)
     return _rows_in_groups(y, sizes)
 
 
-def _gmm_fwd(x, w, sizes, interpret):
-    return _gmm(x, w, sizes, interpret), (x, w, sizes)
+def _gmm_fwd(x, w, sizes, interpret, out_dtype):
+    return _gmm(x, w, sizes, interpret, out_dtype), (x, w, sizes)
 
 
-def _gmm_bwd(interpret, res, g):
+def _gmm_bwd(interpret, out_dtype, res, g):
     kernels = _kernels()
     x, w, sizes = res
     g = g.astype(x.dtype)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 
-def grouped_matmul(x, w, group_sizes):
+def grouped_matmul(x, w, group_sizes, out_dtype=None):
     w = w.astype(x.dtype)  # a stand-in (int8, layer view) made dense
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=acc)
+    out = out_dtype or jnp.promote_types(x.dtype, jnp.float32)
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=out)

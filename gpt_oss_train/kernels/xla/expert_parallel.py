@@ -3,7 +3,8 @@ chosen experts, the local experts over what arrives, the results back and summed
 
 Both implementations run the same local computation, `experts(rows, key, group_sizes)`:
 rows sorted by local expert (`key`, `local_e` for a row no local expert takes), group
-sizes per local expert, float32 outputs that are zero where key == local_e. They differ in
+sizes per local expert, outputs (float32, or the compute dtype where the platform keeps
+expert products in it) that are zero where key == local_e. They differ in
 what crosses the links, per device with t tokens, k choices, n expert shards of d-wide rows:
 
   gather      (the reference) every token to every shard of its `expert` group: all_gather
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gpt_oss_train import sharding
+from gpt_oss_train.kernels.xla import experts as experts_lib
 
 
 def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
@@ -123,7 +125,7 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     key = _expert_of_received_rows(received, local_e, n * pairs)
     by_expert = jnp.argsort(key, stable=True)
     y = experts(rows[by_expert], key[by_expert], received.sum(0))
-    y = jnp.zeros_like(y).at[by_expert].set(y)
+    y = experts_lib.unsort_rows(y, by_expert)
     # Back: each sender's rows return to where they left its sorted buffer.
     y = _exchange(y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes,
                   pairs)  # fmt: skip
@@ -146,10 +148,12 @@ def _is_v5e() -> bool:
 
 
 def _weighted_sum(wts, y_sorted, order):
-    """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> float32 [t, d]."""
+    """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> [t, d], float32 (or
+    wider). The weights take y's dtype, so the backward's [t, k, d] cotangent does too."""
     t, k = wts.shape
-    y = jnp.zeros_like(y_sorted[: t * k]).at[order].set(y_sorted[: t * k]).reshape(t, k, -1)
-    return jnp.einsum("tk,tkd->td", wts, y)
+    y = experts_lib.unsort_rows(y_sorted[: t * k], order).reshape(t, k, -1)
+    acc = jnp.promote_types(y.dtype, jnp.float32)
+    return jnp.einsum("tk,tkd->td", wts.astype(y.dtype), y, preferred_element_type=acc)
 
 
 def _exclusive_cumsum(a, axis):

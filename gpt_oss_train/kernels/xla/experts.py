@@ -48,6 +48,32 @@ class ExpertWeights(NamedTuple):
     lora: ExpertLoRA | None = None
 
 
+def unsort_rows(y_sorted, order):
+    """y [n, ...] whose row i belongs at order[i] (order a permutation of n) -> the rows
+    in place, by gathers both ways: XLA:TPU runs a row scatter of 16-bit data as 32-bit
+    words (a converted copy of the whole buffer and twice its bytes), and the gradient
+    of a gather by a permutation is the gather by its inverse, not a scatter-add."""
+    n = order.shape[0]
+    where = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
+    return _permute_rows(y_sorted, where, order)
+
+
+@jax.custom_vjp
+def _permute_rows(y, rows, inverse):
+    return y[rows]
+
+
+def _permute_rows_fwd(y, rows, inverse):
+    return y[rows], inverse
+
+
+def _permute_rows_bwd(inverse, g):
+    return g[inverse], None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def glu(gate, up, limit: float, alpha: float):
     """The clamped SwiGLU of biased gate and up products (float32 in, float32 out)."""
     gate = jnp.minimum(gate, limit)

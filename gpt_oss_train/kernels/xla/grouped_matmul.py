@@ -1,6 +1,9 @@
 """The `grouped_matmul` op's reference: tiled loops over each group's rows.
 
-    grouped_matmul(x [M, K], w [G, K, N], group_sizes [G]) -> float32 [M, N]
+    grouped_matmul(x [M, K], w [G, K, N], group_sizes [G], out_dtype=None) -> [M, N]
+
+accumulated in float32 and returned in it, or rounded to `out_dtype` (the MoE asks for
+its compute dtype where platforms.Facts.expert_products_in_compute_dtype says so).
 
 Rows are grouped contiguously: the first group_sizes[0] rows use w[0], the next
 group_sizes[1] rows w[1], ...; rows past sum(group_sizes) come out as zeros. `w` may be a
@@ -187,6 +190,7 @@ def _no_grad(w):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
-def tiled(x, w, group_sizes):
+def tiled(x, w, group_sizes, out_dtype=None):
     """The op: tiles sized by the rows per group (`tile_rows`)."""
-    return tiled_grouped_matmul(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
+    y = tiled_grouped_matmul(x, w, group_sizes, tile_rows(x.shape[0], w.shape[0]))
+    return y if out_dtype is None else y.astype(out_dtype)

@@ -82,13 +82,36 @@ def glu(gate, up, limit: float, alpha: float):
 
 
 def gated_activation(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
-    """float32 gate, up [R, F] of rows whose experts are `experts` [R], biases [E, F] ->
-    the activation [R, F] in `dtype`."""
-    f32 = jnp.float32
-    act = glu(
-        gate + bias_gate.astype(f32)[experts], up + bias_up.astype(f32)[experts], limit, alpha
-    )
+    """gate, up [R, F] (float32, or the compute dtype) of rows whose experts are `experts`
+    [R], biases [E, F] -> the activation [R, F] in `dtype`, computed in float32."""
+    act = glu(_row_bias(gate, bias_gate, experts), _row_bias(up, bias_up, experts), limit, alpha)
     return act.astype(dtype)
+
+
+@jax.custom_vjp
+def _row_bias(x, bias, experts):
+    """x [R, F] plus each row's expert's bias, in float32 (or wider)."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return x.astype(acc) + bias.astype(acc)[experts]
+
+
+def _row_bias_fwd(x, bias, experts):
+    return _row_bias(x, bias, experts), (jnp.zeros((), x.dtype), bias, experts)
+
+
+def _row_bias_bwd(res, g):
+    """The bias gradient from the cotangent as rounded to x's dtype (x's own gradient),
+    by a one-hot product: autodiff would scatter-add the float32 cotangent, keeping a
+    float32 [R, F] buffer per product on the way."""
+    like, bias, experts = res
+    gx = g.astype(like.dtype)
+    onehot = jax.nn.one_hot(experts, bias.shape[0], dtype=gx.dtype)
+    acc = jnp.promote_types(gx.dtype, jnp.float32)
+    gb = jnp.einsum("re,rf->ef", onehot, gx, preferred_element_type=acc)
+    return gx, gb.astype(bias.dtype), None
+
+
+_row_bias.defvjp(_row_bias_fwd, _row_bias_bwd)
 
 
 # ----------------------------------------------------------------------------- decode batches

@@ -107,7 +107,9 @@ def _row_bias_bwd(res, g):
     gx = g.astype(like.dtype)
     onehot = jax.nn.one_hot(experts, bias.shape[0], dtype=gx.dtype)
     acc = jnp.promote_types(gx.dtype, jnp.float32)
-    gb = jnp.einsum("re,rf->ef", onehot, gx, preferred_element_type=acc)
+    # a one-hot product of 16-bit operands is exact; wider ones must not be rounded to it
+    exact = None if gx.dtype.itemsize < 4 else jax.lax.Precision.HIGHEST
+    gb = jnp.einsum("re,rf->ef", onehot, gx, preferred_element_type=acc, precision=exact)
     return gx, gb.astype(bias.dtype), None
 
 

@@ -3,15 +3,16 @@
   gpt-oss-20b   v6e-64 (8x8): experts 4 ways over `expert` (8 a chip), FSDP 16.
   gpt-oss-120b  v6e-256 (16x16): experts 16 ways (8 a chip), FSDP 16.
 
-One sequence of 4096 tokens a chip (two needed 33.6 GiB for 20b), tokens to their
-experts by ragged all-to-all (the TPU default; libtpu compiles it for v6e, not for v5e),
-the unembedding gathered once per loss (train.loss_gather_once: 32 GiB leave room).
+One sequence of 4096 tokens a chip (two needed 33.6 GiB for 20b on 2026-11-28, before
+the expert products went bf16; not compiled since), tokens to their experts by ragged
+all-to-all (the TPU default; libtpu compiles it for v6e, not for v5e), the unembedding
+gathered once per loss (train.loss_gather_once).
 
 configs/tpu_v5e.py's model, precision, remat and kernels otherwise. Checked from a CPU
 with the compiler the pod runs (docs/AOT.md has the figures):
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py --topology=v6e:8x8
-  -> 24.57 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-28); the step model's estimate
-     1.67 s a step, 2,458 tokens/s a chip, HBM-bound
+  -> 19.23 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-29); the step model's estimate
+     1.17 s a step, 3,487 tokens/s a chip, HBM-bound
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py:gpt-oss-120b \
       --topology=v6e:16x16
 """

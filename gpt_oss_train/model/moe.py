@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from gpt_oss_train import config, sharding
 from gpt_oss_train.arrays.layer_views import whole
 from gpt_oss_train.kernels import AUTO_KERNELS, Kernels, platforms
-from gpt_oss_train.kernels.xla.experts import ExpertLoRA, ExpertWeights, glu, unsort_rows
+from gpt_oss_train.kernels.xla.experts import ExpertLoRA, ExpertWeights, glu, weighted_sum
 from gpt_oss_train.model import remat, streamed_weights
 
 
@@ -188,8 +188,7 @@ def grouped_experts(
         dtype=dtype,
         lora_group_sizes=lora_group_sizes,
     )
-    y = unsort_rows(y, order).reshape(t, k, -1)  # back to (token, choice)
-    return jnp.einsum("tk,tkd->td", weights_tk, y)
+    return weighted_sum(weights_tk, y, order)  # back to (token, choice), then summed
 
 
 def ragged_experts(

@@ -44,7 +44,7 @@ def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
         out = _in_rounds(experts, x, wts, key, order, group_sizes, capacity)
     else:
         y = experts(x[order // k], key[order], group_sizes)
-        out = _weighted_sum(wts, y, order)
+        out = experts_lib.weighted_sum(wts, y, order)
     if mlp_axes:
         out = jax.lax.psum(out, mlp_axes)
     for ax in reversed(token_axes):
@@ -129,7 +129,7 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     # Back: each sender's rows return to where they left its sorted buffer.
     y = _exchange(y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes,
                   pairs)  # fmt: skip
-    out = _weighted_sum(wts, y, order)
+    out = experts_lib.weighted_sum(wts, y, order)
     # (tokens are split over every expert axis here: all_to_all_accepts)
     return jax.lax.psum(out, mlp_axes) if mlp_axes else out
 
@@ -145,15 +145,6 @@ def all_to_all_accepts(experts, x, wts, idx, *, local_e, expert_axes, token_axes
 def _is_v5e() -> bool:
     ctx = sharding.active()
     return ctx is not None and "v5 lite" in ctx[0].devices.flat[0].device_kind.lower()
-
-
-def _weighted_sum(wts, y_sorted, order):
-    """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> [t, d], float32 (or
-    wider). The weights take y's dtype, so the backward's [t, k, d] cotangent does too."""
-    t, k = wts.shape
-    y = experts_lib.unsort_rows(y_sorted[: t * k], order).reshape(t, k, -1)
-    acc = jnp.promote_types(y.dtype, jnp.float32)
-    return jnp.einsum("tk,tkd->td", wts.astype(y.dtype), y, preferred_element_type=acc)
 
 
 def _exclusive_cumsum(a, axis):

@@ -58,6 +58,15 @@ def unsort_rows(y_sorted, order):
     return _permute_rows(y_sorted, where, order)
 
 
+def weighted_sum(wts, y_sorted, order):
+    """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> [t, d], float32 (or
+    wider). The weights take y's dtype, so the backward's [t, k, d] cotangent does too."""
+    t, k = wts.shape
+    y = unsort_rows(y_sorted[: t * k], order).reshape(t, k, -1)
+    acc = jnp.promote_types(y.dtype, jnp.float32)
+    return jnp.einsum("tk,tkd->td", wts.astype(y.dtype), y, preferred_element_type=acc)
+
+
 @jax.custom_vjp
 def _permute_rows(y, rows, inverse):
     return y[rows]

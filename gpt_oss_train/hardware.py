@@ -5,8 +5,8 @@ model's collectives, tools/step_model.py). Looked up by `jax.Device.device_kind`
 chips (CPUs included) give None, and so does a figure the sources do not state, so no
 figure is ever made up.
 
-Sources: cloud.google.com/tpu/docs (v4, v5e, v5p, v6e system-architecture pages) and
-NVIDIA's datasheets (sparsity figures halved to dense).
+Sources: cloud.google.com/tpu/docs (v4, v5e, v5p, v6e, tpu7x system-architecture pages)
+and NVIDIA's datasheets (sparsity figures halved to dense).
 """
 
 from __future__ import annotations
@@ -26,6 +26,17 @@ class Chip:
     ici_bandwidth: float | None = None
     # Data-center network between slices: bytes/s per chip.
     dcn_bandwidth: float | None = None
+    # JAX devices a chip shows (TPU7x: one per TensorCore chiplet). The figures above that
+    # are "per device" are the chip's shared among them; the links are the chip's.
+    devices_per_chip: int = 1
+
+
+def _split(devices: int, peak_flops: float, hbm_bytes: float, hbm_bandwidth: float, **links):
+    """A chip shown as `devices` JAX devices, from its per-chip datasheet figures."""
+    return Chip(
+        peak_flops / devices, hbm_bytes / devices, hbm_bandwidth / devices,
+        devices_per_chip=devices, **links,
+    )  # fmt: skip
 
 
 # Matched as case-insensitive substrings of device_kind, first match wins: the more
@@ -40,11 +51,16 @@ class Chip:
 #   v5p: ICI 1200 GBps bidirectional per chip; "Data center network (DCN) bandwidth per
 #        chip 50 Gbps".
 #   v4:  the page states no per-chip ICI or DCN figure: None.
+#   tpu7x: per chip "Peak compute (BF16) 2307 TFLOPs", "HBM capacity 192 GiB", "HBM
+#        bandwidth 7380 GBps", "Bidirectional ICI bandwidth 1200 GBps", "DCN bandwidth
+#        100 Gbps"; two TensorCores a chip, which libtpu shows as two devices.
 _V6E = dict(ici_bandwidth=800e9, dcn_bandwidth=100e9 / 8)
 _V5E = dict(ici_bandwidth=400e9, dcn_bandwidth=25e9 / 8)
 _V5P = dict(ici_bandwidth=1200e9, dcn_bandwidth=50e9 / 8)
+_TPU7X = dict(ici_bandwidth=1200e9, dcn_bandwidth=100e9 / 8)
 
 CHIPS: dict[str, Chip] = {
+    "TPU7x": _split(2, 2307e12, 192 * GiB, 7.38e12, **_TPU7X),
     "TPU v6 lite": Chip(918e12, 32 * GiB, 1.64e12, **_V6E),
     "TPU v6e": Chip(918e12, 32 * GiB, 1.64e12, **_V6E),
     "TPU v5 lite": Chip(197e12, 16 * GiB, 0.819e12, **_V5E),

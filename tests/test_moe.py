@@ -6,6 +6,7 @@ on one expert, groups smaller and larger than a tile."""
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -459,3 +460,43 @@ def test_expert_products_in_the_compute_dtype(monkeypatch):
                           jax.tree.leaves(ref)):  # fmt: skip
         np.testing.assert_allclose(g, r, atol=scale(r), err_msg=str(path[0]))
     assert not np.array_equal(got[1], wide[1])  # the outputs were rounded on the way
+
+
+def _dot_operand_dtypes(jaxpr) -> set:
+    """The operand dtypes of every dot_general in a jaxpr, sub-jaxprs included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found |= {v.aval.dtype for v in eqn.invars}
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        found |= _dot_operand_dtypes(sub)
+    return found
+
+
+def test_weighted_sum_backward_multiplies_16_bit_operands():
+    """With bfloat16 expert outputs (TPU, GPU), the weighted sum's backward multiplies
+    16-bit operands (autodiff widened the [t, k, d] outputs to float32 for the routing
+    weights' gradient, a copy of them), and both gradients equal float64 within
+    bfloat16 rounding."""
+    bf16 = jnp.bfloat16
+    rng = np.random.RandomState(3)
+    t, k, f = 16, 4, 32
+    proj = rng.randn(t, f)
+    wts = jnp.asarray(rng.dirichlet(np.ones(k), size=t), jnp.float32)
+    y = jnp.asarray(rng.randn(t * k, f), bf16)
+    order = jnp.asarray(rng.permutation(t * k), jnp.int32)
+    summed = lambda w, y: jnp.sum(experts.weighted_sum(w, y, order) * proj)
+    assert _dot_operand_dtypes(jax.make_jaxpr(jax.grad(summed, (0, 1)))(wts, y).jaxpr) == {
+        jnp.dtype(bf16)
+    }
+    gw, gy = jax.grad(summed, (0, 1))(wts, y)
+    assert gy.dtype == bf16 and gw.dtype == jnp.float32
+    # row i of y is pair order[i] ((token, choice), token-major): pair p is row pair_rows[p]
+    pair_rows = np.argsort(np.asarray(order))
+    y64 = np.asarray(y, np.float64)[pair_rows].reshape(t, k, f)
+    want_w = np.einsum("td,tkd->tk", proj, y64)
+    want_y = (np.asarray(wts, np.float64)[:, :, None] * proj[:, None, :]).reshape(t * k, f)
+    np.testing.assert_allclose(gw, want_w, atol=1e-2 * np.abs(want_w).max())
+    got_y = np.empty_like(want_y)
+    got_y[np.asarray(order)] = np.asarray(gy, np.float64)
+    np.testing.assert_allclose(got_y, want_y, atol=1e-2 * np.abs(want_y).max())

@@ -333,6 +333,24 @@ def test_estimate_is_the_stated_formula(program):
     assert e["step_s"] is None and any("no interconnect figure" in n for n in e["notes"])
 
 
+def test_a_chip_shown_as_two_devices_splits_its_figures(program):
+    """TPU7x: libtpu shows each chip as two devices; the account is one device's, so the
+    device gets half the chip's peak and HBM bandwidth and half its share of the links,
+    and a chip's tokens/s is two devices'."""
+    tpu7x = hardware.chip("TPU7x")
+    assert tpu7x.devices_per_chip == 2
+    assert tpu7x.peak_flops == 2307e12 / 2 and tpu7x.hbm_bandwidth == 7.38e12 / 2
+    assert tpu7x.hbm_bytes == 96 * hardware.GiB and tpu7x.ici_bandwidth == 1200e9
+    two = hardware.Chip(1e12, None, 1e9, ici_bandwidth=4e9, dcn_bandwidth=1e8, devices_per_chip=2)
+    acct = step_model.account(program, MESH)
+    link = TRIPS * (2 * 3 / 4 * PSUM_BYTES + GATHER_BYTES / 2)
+    step = max(acct.flops / 1e12, acct.hbm_bytes / 1e9) + link / 1e9  # a quarter of ICI
+    e = step_model.estimate(acct, two, model_flops=3e4, tokens=100)
+    assert e["step_s"] == pytest.approx(step, rel=1e-12)
+    assert e["tokens_per_s_per_chip"] == pytest.approx(200 / step, rel=1e-12)
+    assert e["mfu"] == pytest.approx(3e4 / step / 1e12, rel=1e-12)
+
+
 # Two slices of 2 chips: a multi-slice TPU program reduces across slices (DCN) with
 # send/recv pairs for the megascale runtime, not with an all-reduce instruction.
 TWO_SLICES = """HloModule two_slices, num_partitions=4
@@ -401,3 +419,4 @@ def test_maxtext_names_a_slice_by_its_chips_or_cores():
     assert maxtext_topology("v5e:16x16") == "v5e-256"
     assert maxtext_topology("v6e:8x8") == "v6e-64"
     assert maxtext_topology("v5p:8x8x8") == "v5p-1024"  # two TensorCores a chip
+    assert maxtext_topology("tpu7x:4x4x4") == "tpu7x-128"

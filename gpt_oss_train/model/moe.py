@@ -31,7 +31,13 @@ from jax.sharding import PartitionSpec as P
 from gpt_oss_train import config, sharding
 from gpt_oss_train.arrays.layer_views import whole
 from gpt_oss_train.kernels import AUTO_KERNELS, Kernels, platforms
-from gpt_oss_train.kernels.xla.experts import ExpertLoRA, ExpertWeights, glu, weighted_sum
+from gpt_oss_train.kernels.xla.experts import (
+    ExpertLoRA,
+    ExpertWeights,
+    add_row_bias,
+    glu,
+    weighted_sum,
+)
 from gpt_oss_train.model import remat, streamed_weights
 
 
@@ -127,7 +133,6 @@ def _grouped_ffn(
     lora_group_sizes (default group_sizes; several adapters: (expert, adapter) groups).
     Outputs float32, or the compute dtype where the platform keeps the products in it
     (platforms.Facts.expert_products_in_compute_dtype)."""
-    f32 = jnp.float32
     x = x_rd.astype(dtype)
     out = dtype if platforms.facts().expert_products_in_compute_dtype else None
     product = lambda a, m, sizes: kernels.grouped_matmul(a, m, sizes, out_dtype=out)
@@ -147,7 +152,7 @@ def _grouped_ffn(
     if lo is not None and lo.a_out is not None:
         y = y + _grouped_low_rank(kernels, act, lo.a_out, lo.b_out, lgs, dtype)
     if add_out_bias:
-        y = (y + w.bo.astype(f32)[e]).astype(y.dtype)
+        y = add_row_bias(y, w.bo, e)
     return y
 
 
@@ -267,8 +272,8 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
 
     def experts(rows, key, group_sizes):
         y = _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
-        bias = lw.bo.astype(jnp.float32)[jnp.clip(key, 0, local_e - 1)]
-        y_b = (y + jnp.where(add_bias, bias, 0.0)).astype(y.dtype)
+        bias = jnp.where(add_bias, lw.bo, jnp.zeros((), lw.bo.dtype))
+        y_b = add_row_bias(y, bias, jnp.clip(key, 0, local_e - 1))
         return jnp.where((key < local_e)[:, None], y_b, jnp.zeros((), y.dtype))
 
     return kernels.expert_parallel(experts, x, wts, idx, local_e=local_e, expert_axes=exp_axes,

@@ -9,13 +9,14 @@ the side-by-side figures of docs/AOT.md.
       custom_mesh_and_rule=ep-as-dp use_ring_of_experts=true
 
 `--maxtext` is the `src` folder of a MaxText checkout (github.com/AI-Hypercomputer/maxtext;
-nothing of it ships here). Its own `train_compile` builds and compiles the step
-(base.yml, `model_name`, `compile_topology` and a synthetic dataset are filled in from the
-flags; the arguments after `--` are MaxText's own `key=value` settings); this tool takes
-the compiled program it makes and prints what `aot_compile` prints for ours: XLA's memory
-per chip, the model FLOPs (training/flops.py counts as MaxText does), and the step model's
-FLOPs, HBM bytes, collectives by kind and mesh axes, and estimated step time. `--json=-`
-prints the whole result as one JSON object.
+nothing of it ships here), today's layout or an older tag's (`src/MaxText`). Its own
+`train_compile` builds and compiles the step (base.yml, `model_name`, `compile_topology`
+and a synthetic dataset are filled in from the flags; the arguments after `--` are
+MaxText's own `key=value` settings); this tool takes the compiled program it makes and
+prints what `aot_compile` prints for ours: XLA's memory per chip, the model FLOPs
+(training/flops.py counts as MaxText does), and the step model's FLOPs, HBM bytes,
+collectives by kind and mesh axes, and estimated step time. `--json=-` prints the whole
+result as one JSON object.
 """
 
 from __future__ import annotations
@@ -29,33 +30,74 @@ from gpt_oss_train.tools import aot_compile, compiled_step
 
 
 def maxtext_topology(topology: str) -> str:
-    """'v5e:16x16' -> 'v5e-256' (MaxText names a slice by its chip count; v4 and v5p
-    count TensorCores, two a chip)."""
+    """'v5e:16x16' -> 'v5e-256' (MaxText names a slice by its chip count; v4, v5p and
+    tpu7x count TensorCores, two a chip)."""
     chip, shape = topology.split(":")
     chips = 1
     for n in shape.split("x"):
         chips *= int(n)
-    cores = 2 if chip in ("v4", "v5p") else 1
+    cores = 2 if chip in ("v4", "v5p", "tpu7x") else 1
     return f"{chip}-{chips * cores}"
+
+
+def _train_compile_module(maxtext_src: str):
+    """MaxText's train_compile and its base.yml, in either layout: today's `maxtext`
+    package, or the `MaxText` one of older tags (the tpu-recipes pin such tags)."""
+    src = os.path.abspath(maxtext_src)
+    sys.path.insert(0, src)
+    if os.path.isdir(os.path.join(src, "maxtext", "trainers")):
+        from maxtext.trainers.pre_train import train_compile
+
+        return train_compile, os.path.join(src, "maxtext", "configs", "base.yml")
+    from MaxText import train_compile
+
+    return train_compile, os.path.join(src, "MaxText", "configs", "base.yml")
+
+
+def _tokamax_targets(device) -> None:
+    """tokamax (MaxText's use_tokamax_gmm, use_tokamax_splash) picks its kernels for JAX's
+    default device, which here is this host's CPU (where it has none): it is told the
+    target's, as it would find on a TPU VM. Nothing else's default device changes."""
+    try:
+        from tokamax._src.ops import op
+    except ImportError:
+        return
+    from jax.extend import backend
+
+    class _TargetBackend:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        @staticmethod
+        def get_default_device():
+            return device
+
+    op.backend = _TargetBackend()
 
 
 def compile_maxtext(maxtext_src: str, model: str, topology: str, settings: list[str]):
     """Runs MaxText's train_compile for `topology`; returns (compiled, mesh, its config)."""
     aot_compile.offline_tpu_environment()
-    sys.path.insert(0, os.path.abspath(maxtext_src))
-    from maxtext.trainers.pre_train import train_compile
-
+    train_compile, base = _train_compile_module(maxtext_src)
     captured = {}
-    original = train_compile.jit_and_compile
+    original_compile, original_config = train_compile.jit_and_compile, train_compile.pyconfig
 
-    def capture(func, args, kwargs, mesh, in_shard, out_shard, static, donate, config, rules):
-        compiled = original(func, args, kwargs, mesh, in_shard, out_shard, static, donate,
-                            config, rules)  # fmt: skip
-        captured.update(compiled=compiled, mesh=mesh, config=config)
+    def capture(func, args, kwargs, mesh, *rest):
+        compiled = original_compile(func, args, kwargs, mesh, *rest)
+        captured.update(compiled=compiled, mesh=mesh)
         return compiled
 
-    train_compile.jit_and_compile = capture
-    base = os.path.join(os.path.abspath(maxtext_src), "maxtext", "configs", "base.yml")
+    _tokamax_targets(aot_compile.topology_devices(topology)[0])
+
+    class _Config:  # the config MaxText builds from the argv below
+        def initialize(self, argv, **kw):
+            captured["config"] = original_config.initialize(argv, **kw)
+            return captured["config"]
+
+        def __getattr__(self, name):
+            return getattr(original_config, name)
+
+    train_compile.jit_and_compile, train_compile.pyconfig = capture, _Config()
     argv = [
         "train_compile",
         base,

@@ -198,11 +198,13 @@ def _collective_seconds(
 ) -> tuple[float | None, float | None]:
     """(ICI seconds, DCN seconds): link bytes over the bandwidth of the links they cross;
     None where there are such bytes and no figure for those links. A ring sends one way
-    around while receiving from the other, so a chip's one-way share of its ICI counts."""
+    around while receiving from the other, so a chip's one-way share of its ICI counts,
+    split among the devices a chip shows (each sends its own share)."""
     ici = sum(c.runs * c.link_bytes for c in acct.collectives if not c.dcn)
     dcn = sum(c.runs * c.link_bytes for c in acct.collectives if c.dcn)
-    ici_s = ici / (chip.ici_bandwidth / 2) if chip.ici_bandwidth else (0.0 if not ici else None)
-    dcn_s = dcn / chip.dcn_bandwidth if chip.dcn_bandwidth else (0.0 if not dcn else None)
+    n = chip.devices_per_chip
+    ici_s = ici / (chip.ici_bandwidth / 2 / n) if chip.ici_bandwidth else (0.0 if not ici else None)
+    dcn_s = dcn / (chip.dcn_bandwidth / n) if chip.dcn_bandwidth else (0.0 if not dcn else None)
     return ici_s, dcn_s
 
 
@@ -213,8 +215,9 @@ def estimate(
     tokens: float | None = None,
 ) -> dict:
     """Step time per the overlap assumption (ASSUMPTION), with tokens/s per chip and the MFU
-    it implies from `model_flops` and `tokens` per chip per step. Any part without a chip
-    figure is None, and the notes say which."""
+    it implies from `model_flops` and `tokens` per device per step (the account is a
+    device's; a chip may show several). Any part without a chip figure is None, and the
+    notes say which."""
     out = {"assumption": ASSUMPTION, "notes": []}
     if chip is None:
         out["notes"].append("no figures for this chip in gpt_oss_train/hardware.py: no estimate")
@@ -233,6 +236,7 @@ def estimate(
         )
     step = None if hbm_s is None or links else max(compute_s, hbm_s) + ici_s + dcn_s
     out["step_s"] = step
-    out["tokens_per_s_per_chip"] = tokens / step if step and tokens else None
+    per_chip = tokens * chip.devices_per_chip if tokens else None
+    out["tokens_per_s_per_chip"] = per_chip / step if step and per_chip else None
     out["mfu"] = model_flops / step / chip.peak_flops if step and model_flops else None
     return out

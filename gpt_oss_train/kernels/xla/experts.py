@@ -60,11 +60,57 @@ def unsort_rows(y_sorted, order):
 
 def weighted_sum(wts, y_sorted, order):
     """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> [t, d], float32 (or
-    wider). The weights take y's dtype, so the backward's [t, k, d] cotangent does too."""
+    wider). The weights take y's dtype, and so does every cotangent of the backward:
+    autodiff would widen y to float32 for the weights' gradient, a [t, k, d] copy."""
     t, k = wts.shape
-    y = unsort_rows(y_sorted[: t * k], order).reshape(t, k, -1)
-    acc = jnp.promote_types(y.dtype, jnp.float32)
-    return jnp.einsum("tk,tkd->td", wts.astype(y.dtype), y, preferred_element_type=acc)
+    n = t * k
+    where = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
+    # gathered straight into [t, k, d]: reshaping [t k, d] rows to it is a copy on TPU
+    # (k = 4 is not whole tiles), which XLA may even make in float32 in the backward
+    y = _unsort_pairs(y_sorted[:n], where.reshape(t, k), order)
+    return _weighted(wts.astype(y.dtype), y)
+
+
+@jax.custom_vjp
+def _unsort_pairs(y_nd, where_tk, order_n):
+    return y_nd[where_tk]
+
+
+def _unsort_pairs_fwd(y_nd, where_tk, order_n):
+    return y_nd[where_tk], order_n
+
+
+def _unsort_pairs_bwd(order, g_tkd):
+    k = g_tkd.shape[1]
+    return g_tkd[order // k, order % k], None, None
+
+
+_unsort_pairs.defvjp(_unsort_pairs_fwd, _unsort_pairs_bwd)
+
+
+@jax.custom_vjp
+def _weighted(w_tk, y_tkd):
+    acc = jnp.promote_types(y_tkd.dtype, jnp.float32)
+    return jnp.einsum("tk,tkd->td", w_tk, y_tkd, preferred_element_type=acc)
+
+
+def _weighted_fwd(w_tk, y_tkd):
+    return _weighted(w_tk, y_tkd), (w_tk, y_tkd)
+
+
+def _weighted_bwd(res, g_td):
+    """Both gradients from the output's cotangent rounded to y's dtype (float32 on CPU:
+    exact), each accumulated in float32 and written in its operand's dtype."""
+    w_tk, y_tkd = res
+    acc = jnp.promote_types(y_tkd.dtype, jnp.float32)
+    g = g_td.astype(y_tkd.dtype)
+    exact = None if y_tkd.dtype.itemsize < 4 else jax.lax.Precision.HIGHEST
+    gw = jnp.einsum("td,tkd->tk", g, y_tkd, preferred_element_type=acc, precision=exact)
+    gy = (w_tk.astype(acc)[:, :, None] * g.astype(acc)[:, None, :]).astype(y_tkd.dtype)
+    return gw.astype(w_tk.dtype), gy
+
+
+_weighted.defvjp(_weighted_fwd, _weighted_bwd)
 
 
 @jax.custom_vjp
@@ -95,6 +141,11 @@ def gated_activation(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dty
     [R], biases [E, F] -> the activation [R, F] in `dtype`, computed in float32."""
     act = glu(_row_bias(gate, bias_gate, experts), _row_bias(up, bias_up, experts), limit, alpha)
     return act.astype(dtype)
+
+
+def add_row_bias(x, bias, experts):
+    """x [R, D] plus each row's expert's bias [E, D], added in float32, in x's dtype."""
+    return _row_bias(x, bias, experts).astype(x.dtype)
 
 
 @jax.custom_vjp

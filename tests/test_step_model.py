@@ -420,3 +420,17 @@ def test_maxtext_names_a_slice_by_its_chips_or_cores():
     assert maxtext_topology("v6e:8x8") == "v6e-64"
     assert maxtext_topology("v5p:8x8x8") == "v5p-1024"  # two TensorCores a chip
     assert maxtext_topology("tpu7x:4x4x4") == "tpu7x-128"
+
+
+def test_dilated_window_taps_counted_in_closed_form():
+    """The (output, kernel) pairs of a dilated convolution window that land on input
+    elements, in closed form (a weight gradient written as a convolution can dilate by
+    tens of thousands), equal a count over every position."""
+    from gpt_oss_train.tools.hlo_costs import _landing
+
+    rng = np.random.RandomState(0)
+    for _ in range(3000):
+        lo, n, c = int(rng.randint(0, 20)), int(rng.randint(0, 50)), int(rng.randint(-30, 30))
+        stride, dil = int(rng.randint(1, 9)), int(rng.randint(1, 12))
+        want = sum(((lo + j) * stride + c) % dil == 0 for j in range(n))
+        assert _landing(lo, n, stride, c, dil) == want, (lo, n, stride, c, dil)

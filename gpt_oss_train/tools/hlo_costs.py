@@ -199,11 +199,22 @@ def _window_pairs(size_in, size_k, size_out, stride, pad_lo, lhs_dil, rhs_dil) -
         if lhs_dil == 1:
             total += hi - lo + 1
             continue
-        period = lhs_dil // math.gcd(stride, lhs_dil)
-        hits = [((lo + j) * stride + c) % lhs_dil == 0 for j in range(min(period, hi - lo + 1))]
-        full, rest = divmod(hi - lo + 1, period)
-        total += full * sum(hits) + sum(hits[:rest])
+        total += _landing(lo, hi - lo + 1, stride, c, lhs_dil)
     return total
+
+
+def _landing(lo: int, n: int, stride: int, c: int, lhs_dil: int) -> int:
+    """How many j in [0, n) put (lo + j) * stride + c on a multiple of lhs_dil (an input
+    element, not a hole of the dilation): the solutions of stride * j = r (mod lhs_dil)
+    are one residue class modulo lhs_dil / gcd, or none. Closed form, so a weight
+    gradient written as a convolution with a long dilation costs no loop over it."""
+    g = math.gcd(stride, lhs_dil)
+    r = -(lo * stride + c) % lhs_dil
+    if r % g:
+        return 0
+    period = lhs_dil // g
+    first = (r // g) * pow(stride // g, -1, period) % period if period > 1 else 0
+    return 0 if first >= n else (n - 1 - first) // period + 1
 
 
 def _window(attrs: str, n: int) -> dict[str, list]:

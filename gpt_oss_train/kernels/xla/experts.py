@@ -48,14 +48,16 @@ class ExpertWeights(NamedTuple):
     lora: ExpertLoRA | None = None
 
 
-def unsort_rows(y_sorted, order):
+def unsort_rows(y_sorted, order, lead: tuple[int, ...] | None = None):
     """y [n, ...] whose row i belongs at order[i] (order a permutation of n) -> the rows
     in place, by gathers both ways: XLA:TPU runs a row scatter of 16-bit data as 32-bit
     words (a converted copy of the whole buffer and twice its bytes), and the gradient
-    of a gather by a permutation is the gather by its inverse, not a scatter-add."""
+    of a gather by a permutation is the gather by its inverse, not a scatter-add. `lead`
+    lays the n rows out as that many leading axes straight from the gather: reshaping
+    rows afterwards is a copy on TPU when an axis is not whole tiles (k = 4 choices)."""
     n = order.shape[0]
     where = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
-    return _permute_rows(y_sorted, where, order)
+    return _permute_rows(y_sorted, where.reshape(lead or (n,)), order)
 
 
 def weighted_sum(wts, y_sorted, order):
@@ -63,29 +65,8 @@ def weighted_sum(wts, y_sorted, order):
     wider). The weights take y's dtype, and so does every cotangent of the backward:
     autodiff would widen y to float32 for the weights' gradient, a [t, k, d] copy."""
     t, k = wts.shape
-    n = t * k
-    where = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
-    # gathered straight into [t, k, d]: reshaping [t k, d] rows to it is a copy on TPU
-    # (k = 4 is not whole tiles), which XLA may even make in float32 in the backward
-    y = _unsort_pairs(y_sorted[:n], where.reshape(t, k), order)
+    y = unsort_rows(y_sorted[: t * k], order, (t, k))
     return _weighted(wts.astype(y.dtype), y)
-
-
-@jax.custom_vjp
-def _unsort_pairs(y_nd, where_tk, order_n):
-    return y_nd[where_tk]
-
-
-def _unsort_pairs_fwd(y_nd, where_tk, order_n):
-    return y_nd[where_tk], order_n
-
-
-def _unsort_pairs_bwd(order, g_tkd):
-    k = g_tkd.shape[1]
-    return g_tkd[order // k, order % k], None, None
-
-
-_unsort_pairs.defvjp(_unsort_pairs_fwd, _unsort_pairs_bwd)
 
 
 @jax.custom_vjp
@@ -119,7 +100,8 @@ def _permute_rows(y, rows, inverse):
 
 
 def _permute_rows_fwd(y, rows, inverse):
-    return y[rows], inverse
+    # where each of y's rows went in the (possibly several) leading axes of the result
+    return y[rows], jnp.unravel_index(inverse, rows.shape)
 
 
 def _permute_rows_bwd(inverse, g):

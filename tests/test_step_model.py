@@ -351,6 +351,86 @@ def test_a_chip_shown_as_two_devices_splits_its_figures(program):
     assert e["mfu"] == pytest.approx(3e4 / step / 1e12, rel=1e-12)
 
 
+# The forms of TPU7x programs built with libtpu's SparseCore and host-offload flags (as
+# MaxText's recipes set them), by hand: in a loop of 2 trips, an all-gather the
+# SparseCores run, in a computation an async call-start calls (announced by
+# PrepareAsyncCall markers); a Pallas kernel that declares its cost estimate; and a
+# layer input sent to host memory `S(5)` and brought back, by copies and by async
+# slice updates into (and slices out of) a buffer held there, as remat offload does.
+SPARSE_CORE = """HloModule sparse_core, num_partitions=4
+
+%sc_gather (w: f32[2,8], tk: token[]) -> f32[8,8] {
+  %tk = token[] parameter(1)
+  %w = f32[2,8]{1,0} parameter(0)
+  ROOT %ag = f32[8,8]{1,0} all-gather(%w), channel_id=3, replica_groups=mesh['axis_0'=4] {'axis_0'}, dimensions={0}, use_global_device_ids=true, backend_config={"device_type":"DEVICE_TYPE_SPARSECORE"}
+}, execution_thread="sparsecore"
+
+%body (t: (s32[], f32[2,8], f32[4,8])) -> (s32[], f32[2,8], f32[4,8]) {
+  %t = (s32[]{:S(1)}, f32[2,8]{1,0}, f32[4,8]{1,0}) parameter(0)
+  %i = s32[]{:S(1)} get-tuple-element(%t), index=0
+  %one = s32[]{:S(1)} constant(1)
+  %next = s32[]{:S(1)} add(%i, %one)
+  %w = f32[2,8]{1,0} get-tuple-element(%t), index=1
+  %x = f32[4,8]{1,0} get-tuple-element(%t), index=2
+  %ps = s32[]{:S(2)} custom-call(), custom_call_target="PrepareAsyncCallStart"
+  %pd = token[] custom-call(%ps), custom_call_target="PrepareAsyncCallDone"
+  %cs = ((f32[2,8]{1,0}, token[]), f32[8,8]{1,0}) call-start(%w, %pd), async_execution_thread="sparsecore", to_apply=%sc_gather
+  %cd = f32[8,8]{1,0} call-done(%cs)
+  %off = (f32[4,8]{1,0:S(5)}, f32[4,8]{1,0}, u32[]{:S(2)}) copy-start(%x)
+  %on_host = f32[4,8]{1,0:S(5)} copy-done(%off)
+  %back = (f32[4,8]{1,0}, f32[4,8]{1,0:S(5)}, u32[]{:S(2)}) copy-start(%on_host)
+  %x2 = f32[4,8]{1,0} copy-done(%back)
+  %hb = f32[3,4,8]{2,1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"
+  %z = s32[]{:S(1)} constant(0)
+  %x3 = f32[1,4,8]{2,1,0} bitcast(%x2)
+  %dus = ((f32[3,4,8]{2,1,0:S(5)}, f32[1,4,8]{2,1,0}, s32[]{:S(1)}, s32[]{:S(1)}, s32[]{:S(1)}), f32[3,4,8]{2,1,0:S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%hb, %x3, %i, %z, %z)
+  %stored = f32[3,4,8]{2,1,0:S(5)} dynamic-update-slice-done(%dus)
+  %dss = ((f32[3,4,8]{2,1,0:S(5)}, s32[]{:S(1)}, s32[]{:S(1)}, s32[]{:S(1)}), f32[1,4,8]{2,1,0}, u32[]{:S(2)}) dynamic-slice-start(%stored, %i, %z, %z), dynamic_slice_sizes={1,4,8}
+  %loaded = f32[1,4,8]{2,1,0} dynamic-slice-done(%dss)
+  %attn.4 = f32[4,8]{1,0} custom-call(%x2, %cd), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{"body":"...","cost_estimate":{"flops":"1000","transcendentals":"64","bytes_accessed":"384","remote_bytes_transferred":"0"}}}
+  ROOT %out = (s32[]{:S(1)}, f32[2,8]{1,0}, f32[4,8]{1,0}) tuple(%next, %w, %attn.4)
+}
+
+%cond (c: (s32[], f32[2,8], f32[4,8])) -> pred[] {
+  %c = (s32[]{:S(1)}, f32[2,8]{1,0}, f32[4,8]{1,0}) parameter(0)
+  %ci = s32[]{:S(1)} get-tuple-element(%c), index=0
+  %n = s32[]{:S(1)} constant(2)
+  ROOT %lt = pred[]{:S(1)} compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (w: f32[2,8], x: f32[4,8]) -> f32[4,8] {
+  %w = f32[2,8]{1,0} parameter(0)
+  %x = f32[4,8]{1,0} parameter(1)
+  %i0 = s32[]{:S(1)} constant(0)
+  %init = (s32[]{:S(1)}, f32[2,8]{1,0}, f32[4,8]{1,0}) tuple(%i0, %w, %x)
+  %loop = (s32[]{:S(1)}, f32[2,8]{1,0}, f32[4,8]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4,8]{1,0} get-tuple-element(%loop), index=2
+}
+"""  # noqa: E501
+
+
+def test_sparse_core_collectives_declared_kernel_costs_and_host_offload():
+    acct = step_model.account(SPARSE_CORE, hlo_text.MeshSpec(("fsdp",), (4,)))
+    assert [(lp.trip_count, lp.source) for lp in acct.loops] == [(2, "condition")]
+    # the SparseCores' all-gather: f32 [8, 8] gathered over 4 devices, twice
+    assert _collectives(acct) == [("all-gather", 8 * 8 * 4, 4, ("fsdp",), 2, 3 / 4 * 256)]
+    assert [c.sparse_core for c in acct.collectives] == [True]
+    assert any("1 collective(s) run on the SparseCores" in n for n in acct.notes), acct.notes
+    # the kernel's own declared FLOPs, per run
+    assert [(c.kernel, c.flops, c.runs) for c in acct.custom_calls] == [("attn", 1000.0, 2)]
+    assert acct.flops == acct.custom_call_flops == 2 * 1000
+    # host offload: [4, 8] f32 out and back, each trip, twice (copies, slices); apart
+    # from HBM traffic
+    assert acct.host_bytes == 2 * 2 * 2 * 4 * 8 * 4
+    # HBM a trip: the gather reads its [2, 8] share and writes [8, 8] (the call-start and
+    # -done and the markers move nothing of their own); each way to host reads [4, 8] of
+    # HBM, each way back writes it; the kernel reads [4, 8] and [8, 8] and writes [4, 8]
+    per_trip = (2 * 8 + 8 * 8) * 4 + 2 * 2 * 4 * 8 * 4 + (4 * 8 + 8 * 8 + 4 * 8) * 4
+    assert acct.hbm_bytes == 2 * per_trip
+    e = step_model.estimate(acct, hardware.chip("TPU7x"))
+    assert any("host offload" in n and "not charged" in n for n in e["notes"]), e["notes"]
+
+
 # Two slices of 2 chips: a multi-slice TPU program reduces across slices (DCN) with
 # send/recv pairs for the megascale runtime, not with an all-reduce instruction.
 TWO_SLICES = """HloModule two_slices, num_partitions=4

@@ -374,15 +374,17 @@ def _step_lines(r: dict) -> list[str]:
     m = r["step_model"]
     costed = m["custom_call_flops"]
     loops = ", ".join(f"{lp['trip_count'] or '?'} trips ({lp['source']})" for lp in m["loops"])
+    lines = [
+        "step model  per device and step, from the optimized HLO, loops x their trip counts:",
+        f"  flops     HLO {m['flops']:.3e} = {m['flops'] / r['model_flops_per_device']:.2f}x "
+        "the model estimate" + (f" ({costed:.3e} of it in costed custom calls)" if costed else ""),
+        f"  HBM       {_size(m['hbm_bytes'])} read + written (estimate)",
+    ]
+    if m.get("host_bytes"):
+        lines.append(f"  host      {_size(m['host_bytes'])} to and from host memory (offloaded)")
     return (
-        [
-            "step model  per device and step, from the optimized HLO, loops x their trip counts:",
-            f"  flops     HLO {m['flops']:.3e} = {m['flops'] / r['model_flops_per_device']:.2f}x "
-            "the model estimate"
-            + (f" ({costed:.3e} of it in costed custom calls)" if costed else ""),
-            f"  HBM       {_size(m['hbm_bytes'])} read + written (estimate)",
-            f"  loops     {loops or 'none'}",
-        ]
+        lines
+        + [f"  loops     {loops or 'none'}"]
         + _collective_lines(m)
         + _custom_call_lines(m)
         + _traffic_lines(m)

@@ -18,6 +18,7 @@ from gpt_oss_train.tools.hlo_text import (
     Inst,
     MeshSpec,
     Module,
+    arrays,
     dims,
     ints,
     mesh_axes,
@@ -121,8 +122,10 @@ def _trips(module: Module, caller: Computation, loop: Inst) -> Loop:
 
 def _callees(inst: Inst) -> list[tuple[str, str]]:
     """(computation, how) each instruction runs: 'body'/'condition' (a while), 'branch',
-    'call', or 'fused' (a fusion's or an async wrapper's insides). Reducers (to_apply)
-    are scalar lambdas and are left out."""
+    'call' (a call, or an async call-start: work libtpu hands to the SparseCores, whose
+    own instructions, collectives among them, run as written), or 'fused' (a fusion's or
+    an async wrapper's insides). Reducers (to_apply of others) are scalar lambdas and are
+    left out."""
     if inst.opcode == "while":
         cond, body = _loop_parts(inst)
         return [(body, "body"), (cond, "condition")]
@@ -134,9 +137,10 @@ def _callees(inst: Inst) -> list[tuple[str, str]]:
             else re.findall(r"(?:true|false)_computation=%([\w.\-]+)", inst.attrs)
         )
         return [(n, "branch") for n in found]
-    if inst.opcode in ("fusion", "async-start", "call"):
+    if inst.opcode in ("fusion", "async-start", "call", "call-start"):
         m = re.search(r"\b(?:calls|to_apply)=%([\w.\-]+)", inst.attrs)
-        return [(m.group(1), "call" if inst.opcode == "call" else "fused")] if m else []
+        how = "fused" if inst.opcode in ("fusion", "async-start") else "call"
+        return [(m.group(1), how)] if m else []
     return []
 
 
@@ -293,6 +297,13 @@ def _megablox_tgmm_flops(comp: Computation, inst: Inst) -> float | None:
     return None
 
 
+def declared_flops(inst: Inst) -> float | None:
+    """The FLOPs a Pallas kernel declares for itself (`pallas_call(cost_estimate=...)`,
+    which libtpu keeps in the custom call's backend config), or None."""
+    m = re.search(r'"cost_estimate":\{"flops":"(\d+)"', inst.attrs)
+    return float(m.group(1)) if m else None
+
+
 # Costing hooks for custom calls, by kernel name (a TPU custom call's instruction name
 # without its .N suffix, else the call's target): (computation, instruction) -> FLOPs,
 # or None when the shapes are not the form the hook knows.
@@ -301,14 +312,19 @@ CUSTOM_CALL_FLOPS = {
     "gmm": _megablox_gmm_flops,
     "tgmm": _megablox_tgmm_flops,
 }
-# Kernels whose rows are grouped by expert (step_model's ragged_rows)
-RAGGED_KERNELS = {"ragged-dot-none", "gmm", "tgmm"}
+# Kernels whose rows are grouped by expert (step_model's ragged_rows): TPU's, megablox's
+# and tokamax's (which MaxText runs)
+RAGGED_KERNELS = {
+    "ragged-dot-none", "gmm", "tgmm", "gmm_megablox", "gmm_megablox_transpose_rhs",
+    "tgmm_megablox",
+}  # fmt: skip
 
 # XLA's own bookkeeping custom calls: no kernel, no traffic of their own.
 XLA_MARKERS = {
     "AllocateBuffer", "AssumeGatherIndicesInBound", "ConcatBitcast", "AsyncCollectiveStart",
     "AsyncCollectiveDone", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
     "SPMDShardToFullShape", "LayoutConstraint", "SliceId", "ZeroCrop",  # (multi-slice)
+    "PrepareAsyncCallStart", "PrepareAsyncCallDone",  # (before a SparseCore call-start)
 }  # fmt: skip
 
 
@@ -331,7 +347,7 @@ def kernel_name(inst: Inst) -> str:
 _NO_TRAFFIC = {
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
     "add-dependency", "partition-id", "replica-id", "opt-barrier", "while", "conditional",
-    "call", "domain",
+    "call", "call-start", "call-done", "domain",
 }  # fmt: skip
 _SLICES = ("dynamic-slice", "slice", "gather")
 # Updates XLA runs in place on their first operand's buffer: they write only the update.
@@ -437,6 +453,36 @@ def hbm_bytes(module: Module, comp: Computation, inst: Inst) -> float:
     return operands() + nbytes(inst.shape, hbm_only=True)
 
 
+HOST_SPACE = 5  # TPU's memory space of host memory, S(5): where offloaded arrays live
+
+
+def _space(shape: str) -> int:
+    found = arrays(shape)
+    return found[0][2] if found else 0
+
+
+def host_bytes(comp: Computation, inst: Inst) -> float:
+    """Bytes one run moves between HBM and host memory (host offload, as MaxText's remat
+    policies ask), else 0: a copy between the two spaces, a slice read out of a buffer in
+    host memory, an update written into one (sync, or the -start of the async form, whose
+    result holds (operands, result, context); a copy-start's (destination, source, ...))."""
+    op = inst.opcode.removesuffix("-start")
+    if op not in ("copy", "dynamic-slice", "dynamic-update-slice") or not inst.operands:
+        return 0.0
+    source = comp.insts[inst.operands[0]].shape
+    if op == "copy":
+        moves = HOST_SPACE in (_space(source), _space(inst.shape)) and (
+            _space(source) != _space(inst.shape)
+        )
+        return nbytes(source) if moves else 0.0
+    if _space(source) != HOST_SPACE:
+        return 0.0
+    if op == "dynamic-update-slice":
+        return nbytes(comp.insts[inst.operands[1]].shape)
+    async_form = inst.opcode.endswith("-start")
+    return nbytes(_tuple_elements(inst.shape)[1] if async_form else inst.shape)
+
+
 # ----------------------------------------------------------------------------- collectives
 
 _COLLECTIVES = (
@@ -471,6 +517,7 @@ class Collective:
     dcn: bool  # a group spans slices
     runs: float  # per step: the trip counts of the loops around it
     link_bytes: float  # per chip, one run (ring model)
+    sparse_core: bool = False  # offloaded to the SparseCores (libtpu's flags)
 
 
 def _is_reduce_scatter_fusion(inst: Inst) -> bool:
@@ -547,4 +594,7 @@ def collective(module, comp, inst, mesh: MeshSpec | None, runs: float) -> Collec
     dcn = bool(mesh and mesh.slice_ids) and any(
         len({mesh.slice_ids[i] for i in g if i < len(mesh.slice_ids)}) > 1 for g in groups
     )
-    return Collective(kind, inst.name, size, n, axes, dcn, runs, link_bytes(kind, size, n))
+    sparse_core = "DEVICE_TYPE_SPARSECORE" in holder.attrs
+    return Collective(
+        kind, inst.name, size, n, axes, dcn, runs, link_bytes(kind, size, n), sparse_core
+    )

@@ -14,17 +14,19 @@
   - FLOPs of dot and convolution instructions from their shapes, inside fusions too
     (2 x output elements x contracted size; a convolution counts only the window positions
     that land on its input, not on padding), and of the custom calls with a costing hook
-    (hlo_costs.CUSTOM_CALL_FLOPS); other custom calls (Pallas kernels such as splash
-    attention) are listed as not costed;
+    (hlo_costs.CUSTOM_CALL_FLOPS) or, failing one, a cost estimate the Pallas kernel
+    declared; other custom calls are listed as not costed;
   - an estimate of HBM bytes: operands + results of the instructions that run at the top
     of a computation (a fusion's operands and result cross HBM, its insides do not),
     counting only arrays in the default memory space (TPU marks on-chip VMEM `S(1)`), a
     dynamic slice as the bytes it reads and an in-place update as the bytes it writes;
+    transfers to and from host memory (`S(5)`, offloaded arrays) are summed apart;
   - every collective, counted once (async -start/-done pairs, TPU's async collective
     fusions and its reduce-scatter fusion hold one collective in several instructions; a
-    multi-slice program crosses slices with send/recv pairs), with its result bytes, group
-    size, the mesh axes its groups span, whether it crosses slices, how often it runs,
-    and its link bytes per chip under a ring model.
+    multi-slice program crosses slices with send/recv pairs; those libtpu offloads to
+    the SparseCores sit in computations an async call-start runs), with its result
+    bytes, group size, the mesh axes its groups span, whether it crosses slices, how
+    often it runs, and its link bytes per chip under a ring model.
 
 `estimate` turns the account into a step time with one overlap assumption: compute (at
 the chip's bf16 peak) and HBM traffic (at its bandwidth) overlap, so the slower of the
@@ -60,6 +62,7 @@ class StepAccount:
     flops: float = 0.0
     custom_call_flops: float = 0.0
     hbm_bytes: float = 0.0
+    host_bytes: float = 0.0  # between HBM and host memory (offloaded arrays), both ways
     collectives: list[hlo_costs.Collective] = dataclasses.field(default_factory=list)
     custom_calls: list[CustomCall] = dataclasses.field(default_factory=list)
     loops: list[hlo_costs.Loop] = dataclasses.field(default_factory=list)
@@ -87,6 +90,8 @@ def _custom_call(comp: Computation, inst: Inst, runs: float, ragged_rows: float)
     hook = hlo_costs.CUSTOM_CALL_FLOPS.get(name)
     operands = sum(nbytes(comp.insts[o].shape) for o in inst.operands)
     flops = hook(comp, inst) if hook else None
+    if flops is None:
+        flops = hlo_costs.declared_flops(inst)
     if flops is not None and name in hlo_costs.RAGGED_KERNELS:
         flops *= ragged_rows
     return CustomCall(name, operands, nbytes(inst.shape), runs, flops)
@@ -120,6 +125,7 @@ def account(
                     source = _OP_NAME.search(inst.attrs)
                     acct.traffic.append(Traffic(moved, times, inst.opcode, inst.shape,
                                                 source.group(1) if source else ""))  # fmt: skip
+            acct.host_bytes += times * hlo_costs.host_bytes(comp, inst)
             coll = hlo_costs.collective(module, comp, inst, mesh, times)
             if coll:
                 acct.collectives.append(coll)
@@ -129,6 +135,13 @@ def account(
         notes.append(
             f"ragged dots: FLOPs of {ragged_rows:.3g} of their rows (buffers sized for the "
             "worst routing, balanced routing assumed); their bytes count every row"
+        )
+    offloaded = [c for c in acct.collectives if c.sparse_core]
+    if offloaded:
+        sent = sum(c.runs * c.link_bytes for c in offloaded) / 2**30
+        notes.append(
+            f"{len(offloaded)} collective(s) run on the SparseCores ({sent:.1f} GiB sent a "
+            "step), beside the TensorCores' work; charged like the others"
         )
     uncosted = {c.kernel for c in acct.custom_calls if c.flops is None}
     if uncosted:
@@ -177,6 +190,7 @@ def summary(acct: StepAccount) -> dict:
         "flops": acct.flops,
         "custom_call_flops": acct.custom_call_flops,
         "hbm_bytes": acct.hbm_bytes,
+        "host_bytes": acct.host_bytes,
         "collectives_by_kind": _grouped(acct.collectives, lambda c: c.kind),
         "collectives_by_axes": _grouped(acct.collectives, _axes_key),
         "custom_calls": _kernels(acct.custom_calls),
@@ -235,6 +249,11 @@ def estimate(
             "cross those links: no step time"
         )
     step = None if hbm_s is None or links else max(compute_s, hbm_s) + ici_s + dcn_s
+    if acct.host_bytes:
+        out["notes"].append(
+            f"host offload moves {acct.host_bytes / 2**30:.1f} GiB a step between HBM and "
+            "host memory; not charged (hardware.py has no host-link figure)"
+        )
     out["step_s"] = step
     per_chip = tokens * chip.devices_per_chip if tokens else None
     out["tokens_per_s_per_chip"] = per_chip / step if step and per_chip else None

@@ -62,33 +62,39 @@ def unsort_rows(y_sorted, order, lead: tuple[int, ...] | None = None):
 
 def weighted_sum(wts, y_sorted, order):
     """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> [t, d], float32 (or
-    wider). The weights take y's dtype, and so does every cotangent of the backward:
-    autodiff would widen y to float32 for the weights' gradient, a [t, k, d] copy."""
+    wider). The pairs are gathered choice-major, [k, t, d]: each choice's rows are then
+    whole tiles and the sum is k elementwise passes (token-major [t, k, d] has a
+    4-row axis that TPU pads and copies, in float32 for XLA's batched product). The
+    weights take y's dtype, and so does every cotangent of the backward: autodiff would
+    widen y to float32 for the weights' gradient, a [k, t, d] copy."""
     t, k = wts.shape
-    y = unsort_rows(y_sorted[: t * k], order, (t, k))
-    return _weighted(wts.astype(y.dtype), y)
+    choice_major = (order % k) * t + order // k  # pair (token i, choice j) -> j t + i
+    y = unsort_rows(y_sorted[: t * k], choice_major, (k, t))
+    return _weighted(wts.T.astype(y.dtype), y)
 
 
 @jax.custom_vjp
-def _weighted(w_tk, y_tkd):
-    acc = jnp.promote_types(y_tkd.dtype, jnp.float32)
-    return jnp.einsum("tk,tkd->td", w_tk, y_tkd, preferred_element_type=acc)
+def _weighted(w_kt, y_ktd):
+    acc = jnp.promote_types(y_ktd.dtype, jnp.float32)
+    out = w_kt[0].astype(acc)[:, None] * y_ktd[0].astype(acc)
+    for j in range(1, w_kt.shape[0]):
+        out = out + w_kt[j].astype(acc)[:, None] * y_ktd[j].astype(acc)
+    return out
 
 
-def _weighted_fwd(w_tk, y_tkd):
-    return _weighted(w_tk, y_tkd), (w_tk, y_tkd)
+def _weighted_fwd(w_kt, y_ktd):
+    return _weighted(w_kt, y_ktd), (w_kt, y_ktd)
 
 
 def _weighted_bwd(res, g_td):
     """Both gradients from the output's cotangent rounded to y's dtype (float32 on CPU:
     exact), each accumulated in float32 and written in its operand's dtype."""
-    w_tk, y_tkd = res
-    acc = jnp.promote_types(y_tkd.dtype, jnp.float32)
-    g = g_td.astype(y_tkd.dtype)
-    exact = None if y_tkd.dtype.itemsize < 4 else jax.lax.Precision.HIGHEST
-    gw = jnp.einsum("td,tkd->tk", g, y_tkd, preferred_element_type=acc, precision=exact)
-    gy = (w_tk.astype(acc)[:, :, None] * g.astype(acc)[:, None, :]).astype(y_tkd.dtype)
-    return gw.astype(w_tk.dtype), gy
+    w_kt, y_ktd = res
+    acc = jnp.promote_types(y_ktd.dtype, jnp.float32)
+    g = g_td.astype(y_ktd.dtype).astype(acc)
+    gw = jnp.stack([jnp.sum(g * y_ktd[j].astype(acc), axis=-1) for j in range(w_kt.shape[0])])
+    gy = (w_kt.astype(acc)[:, :, None] * g[None]).astype(y_ktd.dtype)
+    return gw.astype(w_kt.dtype), gy
 
 
 _weighted.defvjp(_weighted_fwd, _weighted_bwd)

@@ -501,3 +501,20 @@ def test_weighted_sum_backward_multiplies_16_bit_operands():
     got_y = np.empty_like(want_y)
     got_y[np.asarray(order)] = np.asarray(gy, np.float64)
     np.testing.assert_allclose(got_y, want_y, atol=1e-2 * np.abs(want_y).max())
+
+
+@pytest.mark.parametrize("num_experts", [5, 40])
+def test_row_bias_chooses_each_rows_expert(num_experts):
+    """A row's bias is its expert's, by selects for a few experts (fused into the pass that
+    adds them) and by a gather for many; the gradient sums each expert's rows."""
+    rng = np.random.RandomState(7)
+    bias = rng.randn(num_experts, 24).astype(np.float32)
+    rows = rng.randint(0, num_experts, size=50)
+    x = rng.randn(50, 24).astype(np.float32)
+    got = experts.add_row_bias(jnp.asarray(x), jnp.asarray(bias), jnp.asarray(rows))
+    np.testing.assert_array_equal(got, x + bias[rows])
+    proj = rng.randn(50, 24)
+    grad = jax.grad(lambda b: jnp.sum(experts.add_row_bias(jnp.asarray(x), b, rows) * proj))
+    want = np.zeros((num_experts, 24))
+    np.add.at(want, rows, proj)
+    np.testing.assert_allclose(grad(jnp.asarray(bias)), want, rtol=1e-5, atol=1e-5)

@@ -140,7 +140,25 @@ def add_row_bias(x, bias, experts):
 def _row_bias(x, bias, experts):
     """x [R, F] plus each row's expert's bias, in float32 (or wider)."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    return x.astype(acc) + bias.astype(acc)[experts]
+    return x.astype(acc) + _rows_of(bias.astype(acc), experts)
+
+
+# Up to this many experts (a shard's, under expert parallelism) a row's bias is chosen by
+# selects rather than gathered.
+SELECT_MAX_EXPERTS = 16
+
+
+def _rows_of(table, rows):
+    """table [E, F] at rows [R] -> [R, F]. For a few experts, a chain of selects, which
+    XLA fuses into the pass that adds it: XLA:TPU runs a gather as a pass of its own that
+    writes the whole [R, F] out (a float32 [65536, 2880] buffer per bias and layer in the
+    20b step)."""
+    if table.shape[0] > SELECT_MAX_EXPERTS:
+        return table[rows]
+    out = jnp.broadcast_to(table[0], (rows.shape[0], table.shape[1]))
+    for e in range(1, table.shape[0]):
+        out = jnp.where((rows == e)[:, None], table[e], out)
+    return out
 
 
 def _row_bias_fwd(x, bias, experts):

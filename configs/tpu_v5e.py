@@ -35,7 +35,6 @@ def get_config(model: str = "gpt-oss-20b"):
         learning_rate=3e-4,
         warmup_steps=500,
         log_every=10,
-        loss_chunk_size=512,
         loss_gather_once=True,
         eval_every=1000,
     )

@@ -11,8 +11,8 @@ gathered once per loss (train.loss_gather_once).
 configs/tpu_v5e.py's model, precision, remat and kernels otherwise. Checked from a CPU
 with the compiler the pod runs (docs/AOT.md has the figures):
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py --topology=v6e:8x8
-  -> 19.23 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-29); the step model's estimate
-     1.17 s a step, 3,487 tokens/s a chip, HBM-bound
+  -> 16.49 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-29); the step model's estimate
+     1.02 s a step, 4,036 tokens/s a chip, HBM-bound
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py:gpt-oss-120b \
       --topology=v6e:16x16
 """

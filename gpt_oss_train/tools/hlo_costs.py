@@ -470,11 +470,9 @@ def host_bytes(comp: Computation, inst: Inst) -> float:
     if op not in ("copy", "dynamic-slice", "dynamic-update-slice") or not inst.operands:
         return 0.0
     source = comp.insts[inst.operands[0]].shape
-    if op == "copy":
-        moves = HOST_SPACE in (_space(source), _space(inst.shape)) and (
-            _space(source) != _space(inst.shape)
-        )
-        return nbytes(source) if moves else 0.0
+    if op == "copy":  # (a copy-start's destination is its result's first array)
+        spaces = {_space(source), _space(inst.shape)}
+        return nbytes(source) if HOST_SPACE in spaces and len(spaces) == 2 else 0.0
     if _space(source) != HOST_SPACE:
         return 0.0
     if op == "dynamic-update-slice":

@@ -283,6 +283,49 @@ def test_a_scatter_writes_only_its_updates():
     assert step_model.account(bare).hbm_bytes == 2 * 4 * 64 * 4
 
 
+NESTED_PASS_THROUGH = """HloModule nested_pass_through
+
+%as_is (p0: bf16[256,128]) -> bf16[256,128] {
+  %p0 = bf16[256,128]{1,0} parameter(0)
+  ROOT %b0 = bf16[256,128]{1,0} bitcast(%p0)
+}
+
+%first_rows (q0: bf16[256,128]) -> bf16[8,128] {
+  %q0 = bf16[256,128]{1,0} parameter(0)
+  ROOT %s0 = bf16[8,128]{1,0} slice(%q0), slice={[0:8], [0:128]}
+}
+
+%bias_grad (onehot: bf16[256,8], g: bf16[256,128]) -> f32[8,128] {
+  %onehot = bf16[256,8]{1,0} parameter(0)
+  %g = bf16[256,128]{1,0} parameter(1)
+  %gb = bf16[256,128]{1,0} fusion(%g), kind=kLoop, calls=%as_is
+  ROOT %conv = f32[8,128]{1,0} convolution(%onehot, %gb), dim_labels=fb_io->bf
+}
+
+%head (r0: bf16[256,128]) -> bf16[8,128] {
+  %r0 = bf16[256,128]{1,0} parameter(0)
+  ROOT %h0 = bf16[8,128]{1,0} fusion(%r0), kind=kLoop, calls=%first_rows
+}
+
+ENTRY %main (onehot: bf16[256,8], g: bf16[256,128]) -> (f32[8,128], bf16[8,128]) {
+  %onehot = bf16[256,8]{1,0} parameter(0)
+  %g = bf16[256,128]{1,0} parameter(1)
+  %f = f32[8,128]{1,0} fusion(%onehot, %g), kind=kOutput, calls=%bias_grad
+  %h = bf16[8,128]{1,0} fusion(%g), kind=kLoop, calls=%head
+  ROOT %t = (f32[8,128]{1,0}, bf16[8,128]{1,0}) tuple(%f, %h)
+}
+"""  # noqa: E501
+
+
+def test_a_nested_fusion_passing_its_operand_on_counts_the_read():
+    # The product reads all of g through a nested fusion that only bitcasts it (as XLA:TPU
+    # writes a one-hot bias gradient); the other fusion's nested one reads 8 of its rows.
+    acct = step_model.account(NESTED_PASS_THROUGH)
+    product = 256 * 8 * 2 + 256 * 128 * 2 + 8 * 128 * 4
+    head = 8 * 128 * 2 + 8 * 128 * 2
+    assert acct.hbm_bytes == product + head
+
+
 @pytest.mark.parametrize(
     "attrs, groups",
     [

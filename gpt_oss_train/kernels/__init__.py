@@ -84,7 +84,9 @@ class Kernels:
 
     def grouped_matmul(self, x, w, group_sizes, out_dtype=None):
         """x [M, K] times w[g] [K, N] for each group g's contiguous rows -> [M, N],
-        accumulated in float32 and written in it, or in `out_dtype`."""
+        accumulated in float32 and written in it, or in `out_dtype`. Rows past
+        sum(group_sizes) are undefined (megablox leaves them unwritten); their gradient
+        is zero."""
         return self._run("grouped_matmul", x, w, group_sizes, out_dtype=out_dtype)
 
     def gated_activation(self, gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
@@ -103,15 +105,16 @@ class Kernels:
         return None
 
     def expert_parallel(self, experts, x, wts, idx, *, local_e, expert_axes, token_axes,
-                        mlp_axes, capacity_factor=0.0):  # fmt: skip
+                        mlp_axes, out_bias, capacity_factor=0.0):  # fmt: skip
         """Inside shard_map: this device's tokens x [t, d] (weights, experts [t, k]) through
         their experts, sharded `local_e` a device over `expert_axes`, by
-        `experts(rows, key, group_sizes)` (kernels/xla/expert_parallel.py) -> float32
-        [t, d], summed over the tensor (`mlp_axes`) shards. capacity_factor > 0: rows in
-        rounds of that multiple of a shard's balanced share (config.moe_capacity_factor)."""
+        `experts(rows, key, group_sizes)` (kernels/xla/expert_parallel.py) plus each local
+        expert's `out_bias` [local_e, d] -> float32 [t, d], summed over the tensor
+        (`mlp_axes`) shards. capacity_factor > 0: rows in rounds of that multiple of a
+        shard's balanced share (config.moe_capacity_factor)."""
         return self._run("expert_parallel", experts, x, wts, idx, local_e=local_e,
-                         expert_axes=expert_axes, token_axes=token_axes,
-                         mlp_axes=mlp_axes, capacity_factor=capacity_factor)  # fmt: skip
+                         expert_axes=expert_axes, token_axes=token_axes, mlp_axes=mlp_axes,
+                         out_bias=out_bias, capacity_factor=capacity_factor)  # fmt: skip
 
     def matmul(self, spec, x, w, *, dtype):
         """einsum(spec, x, w) in `dtype`, float32 results: x's dimensions after [b, s]

@@ -129,8 +129,10 @@ def _grouped_ffn(
     lora_group_sizes=None,
 ):
     """Rows already sorted by expert; group_sizes[e] rows belong to expert e. Rows past
-    sum(group_sizes) (if any) come out as zeros. LoRA factors (w.lora) are grouped by
-    lora_group_sizes (default group_sizes; several adapters: (expert, adapter) groups).
+    sum(group_sizes) (if any; expert_r there is the experts' count) come out undefined,
+    as the grouped matmul leaves them; the biases' gradients skip them. LoRA factors
+    (w.lora) are grouped by lora_group_sizes (default group_sizes; several adapters:
+    (expert, adapter) groups).
     Outputs float32, or the compute dtype where the platform keeps the products in it
     (platforms.Facts.expert_products_in_compute_dtype)."""
     x = x_rd.astype(dtype)
@@ -144,15 +146,14 @@ def _grouped_ffn(
         xa = product(x, lo.a_in.astype(dtype), lgs).astype(dtype)
         gate = gate + product(xa, lo.b_gate.astype(dtype), lgs)
         up = up + product(xa, lo.b_up.astype(dtype), lgs)
-    e = jnp.clip(expert_r, 0, w.bi_gate.shape[0] - 1)
     act = kernels.gated_activation(
-        gate, up, w.bi_gate, w.bi_up, e, limit=limit, alpha=alpha, dtype=dtype
+        gate, up, w.bi_gate, w.bi_up, expert_r, limit=limit, alpha=alpha, dtype=dtype
     )
     y = checkpoint_name(product(act, w.wo, group_sizes), remat.EXPERT_PRODUCTS)
     if lo is not None and lo.a_out is not None:
         y = y + _grouped_low_rank(kernels, act, lo.a_out, lo.b_out, lgs, dtype)
     if add_out_bias:
-        y = add_row_bias(y, w.bo, e)
+        y = add_row_bias(y, w.bo, expert_r)
     return y
 
 
@@ -269,15 +270,13 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
     })  # fmt: skip
     # The output bias is added by one tensor shard only, so the psum adds it once.
     add_bias = sharding.axes_index(mlp_axes) == 0
+    out_bias = jnp.where(add_bias, lw.bo, jnp.zeros((), lw.bo.dtype))
 
     def experts(rows, key, group_sizes):
-        y = _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
-        bias = jnp.where(add_bias, lw.bo, jnp.zeros((), lw.bo.dtype))
-        y_b = add_row_bias(y, bias, jnp.clip(key, 0, local_e - 1))
-        return jnp.where((key < local_e)[:, None], y_b, jnp.zeros((), y.dtype))
+        return _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
 
     return kernels.expert_parallel(experts, x, wts, idx, local_e=local_e, expert_axes=exp_axes,
-                                   token_axes=token_axes, mlp_axes=mlp_axes,
+                                   token_axes=token_axes, mlp_axes=mlp_axes, out_bias=out_bias,
                                    capacity_factor=capacity_factor)  # fmt: skip
 
 

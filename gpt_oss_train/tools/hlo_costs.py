@@ -367,16 +367,22 @@ def _users(comp: Computation) -> dict[str, list[Inst]]:
 def _param_read(module: Module, inner: Computation, index: int, full: float) -> float:
     """Bytes a fusion reads of operand `index`: the slices when every use slices it (a
     loop reading one layer of a weight stack; nested fusions followed), nothing where it
-    is the buffer an in-place update writes into, else all of it."""
+    is the buffer an in-place update writes into, else all of it. A value a nested
+    fusion passes out as it came in (a bitcast fusion) is read by whatever uses it
+    there: all of it, to be safe."""
     param = next(
         (i for i in inner.insts.values() if i.opcode == "parameter" and int(i.args) == index), None
     )
     if param is None:
         return full
     users = _users(inner)
+    root = inner.insts[inner.root]
+    leaves = set(root.operands) if root.opcode == "tuple" else {root.name}
     read, names, frontier = 0.0, {param.name}, [param.name]
     while frontier:
         name = frontier.pop()
+        if name in leaves:
+            return full
         for user in users[name]:
             if user.opcode == "bitcast":
                 names.add(user.name)

@@ -37,10 +37,13 @@ def accepts(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype) -> bo
 
 
 def gated_activation(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
-    """bfloat16 act [R, F] of float32 gate, up [R, F], biases [E, F], row experts [R]."""
+    """bfloat16 act [R, F] of float32 gate, up [R, F], biases [E, F], row experts [R]. A
+    row whose expert is E (none here took it) is computed with the last expert's biases:
+    the CPU's grouped matmuls write zeros there, which add nothing to their gradients."""
     build.require("glu.cc", HANDLERS, CPU_FLAG)
     bias_gate, bias_up = bias_gate.astype(jnp.float32), bias_up.astype(jnp.float32)
-    return _glu(gate, up, bias_gate, bias_up, experts.astype(jnp.int32), float(limit), float(alpha))
+    experts = jnp.minimum(experts, bias_gate.shape[0] - 1).astype(jnp.int32)
+    return _glu(gate, up, bias_gate, bias_up, experts, float(limit), float(alpha))
 
 
 def _attrs(limit, alpha):

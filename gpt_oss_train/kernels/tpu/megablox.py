@@ -48,15 +48,17 @@ def _kernels():
 
 
 def _rows_in_groups(y, sizes):
-    """Zeros past the groups' rows, which the kernels leave unwritten."""
+    """Zeros past the groups' rows, which the kernels leave unwritten: the gradient a row
+    past them sends back must be zero. The product's own rows there are left undefined,
+    as the op allows: a masking pass over them would be paid in full wherever its
+    consumer cannot fuse it (a gather)."""
     return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(sizes))[:, None], y, jnp.zeros((), y.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _gmm(x, w, sizes, interpret, out_dtype):
     # accumulated in float32 inside the kernel whatever it writes out
-    y = _kernels().gmm(x, w, sizes, out_dtype, _tiles(x, w), interpret=interpret)
-    return _rows_in_groups(y, sizes)
+    return _kernels().gmm(x, w, sizes, out_dtype, _tiles(x, w), interpret=interpret)
 
 
 def _gmm_fwd(x, w, sizes, interpret, out_dtype):

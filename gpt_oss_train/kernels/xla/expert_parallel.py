@@ -4,8 +4,10 @@ chosen experts, the local experts over what arrives, the results back and summed
 Both implementations run the same local computation, `experts(rows, key, group_sizes)`:
 rows sorted by local expert (`key`, `local_e` for a row no local expert takes), group
 sizes per local expert, outputs (float32, or the compute dtype where the platform keeps
-expert products in it) that are zero where key == local_e. They differ in
-what crosses the links, per device with t tokens, k choices, n expert shards of d-wide rows:
+expert products in it) without the experts' output bias and undefined where key ==
+local_e; each implementation adds `out_bias` [local_e, d] and zeroes those rows where it
+costs least. They differ in what crosses the links, per device with t tokens, k choices,
+n expert shards of d-wide rows:
 
   gather      (the reference) every token to every shard of its `expert` group: all_gather
               of the tokens, (n - 1) t d sent; the outputs summed back by psum_scatter.
@@ -29,7 +31,7 @@ from gpt_oss_train import sharding
 from gpt_oss_train.kernels.xla import experts as experts_lib
 
 
-def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
+def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes, out_bias,
            capacity_factor=0.0):  # fmt: skip
     """x [t, d], wts / idx [t, k] this device's tokens -> their outputs float32 [t, d]."""
     for ax in token_axes:
@@ -41,10 +43,10 @@ def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
     group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
     capacity = round_capacity(capacity_factor * t * k / sharding.axes_size(expert_axes))
     if 0 < capacity < t * k:
-        out = _in_rounds(experts, x, wts, key, order, group_sizes, capacity)
+        out = _in_rounds(experts, x, wts, key, order, group_sizes, capacity, out_bias)
     else:
         y = experts(x[order // k], key[order], group_sizes)
-        out = experts_lib.weighted_sum(wts, y, order)
+        out = experts_lib.weighted_sum(wts, y, order, out_bias, key)
     if mlp_axes:
         out = jax.lax.psum(out, mlp_axes)
     for ax in reversed(token_axes):
@@ -59,7 +61,7 @@ def round_capacity(rows: float) -> int:
     return int(-(-rows // tile) * tile) if rows > 0 else 0
 
 
-def _in_rounds(experts, x, wts, key, order, group_sizes, capacity):
+def _in_rounds(experts, x, wts, key, order, group_sizes, capacity, out_bias):
     """`gather`'s sorted rows through `experts` `capacity` at a time -> float32 [t, d].
 
     Rounds run over the sorted pairs in order and stop mattering at the last row this
@@ -80,7 +82,7 @@ def _in_rounds(experts, x, wts, key, order, group_sizes, capacity):
         keys = window(key_s, start)
         sizes = jnp.bincount(keys, length=local_e + 1)[:local_e].astype(jnp.int32)
         y = experts(x[window(token_s, start)], keys, sizes)
-        return window(weight_s, start)[:, None] * y
+        return window(weight_s, start)[:, None] * experts_lib.finish_rows(y, out_bias, keys)
 
     # The checkpoint outside the conditional: its residuals are then its inputs, the
     # round's start and the loop's constants (the tokens, this layer's experts), which the
@@ -99,7 +101,7 @@ def _in_rounds(experts, x, wts, key, order, group_sizes, capacity):
     return out
 
 
-def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
+def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes, out_bias,
                capacity_factor=0.0):  # fmt: skip
     """As `gather`, exchanging only the pairs each shard computes (see the docstring). Its
     receive buffer stays sized for the worst case: `capacity_factor` is not used here."""
@@ -125,7 +127,7 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     key = _expert_of_received_rows(received, local_e, n * pairs)
     by_expert = jnp.argsort(key, stable=True)
     y = experts(rows[by_expert], key[by_expert], received.sum(0))
-    y = experts_lib.unsort_rows(y, by_expert)
+    y = experts_lib.unsort_rows(experts_lib.finish_rows(y, out_bias, key[by_expert]), by_expert)
     # Back: each sender's rows return to where they left its sorted buffer.
     y = _exchange(y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes,
                   pairs)  # fmt: skip
@@ -135,7 +137,7 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
 
 
 def all_to_all_accepts(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
-                       capacity_factor=0.0):  # fmt: skip
+                       out_bias, capacity_factor=0.0):  # fmt: skip
     """Tokens sharded over every expert axis (else each shard must see them all: gather),
     on a platform whose compiler takes the exchange (libtpu refuses ragged all-to-all on
     v5e: "not supported in limited ICI routing settings")."""

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from gpt_oss_train import sharding
 from gpt_oss_train.arrays.layer_views import LayerView
@@ -60,44 +61,85 @@ def unsort_rows(y_sorted, order, lead: tuple[int, ...] | None = None):
     return _permute_rows(y_sorted, where.reshape(lead or (n,)), order)
 
 
-def weighted_sum(wts, y_sorted, order):
+def weighted_sum(wts, y_sorted, order, out_bias=None, key=None):
     """sum_k w_k y_k per token, y given in `order` (sorted pairs) -> [t, d], float32 (or
     wider). The pairs are gathered choice-major, [k, t, d]: each choice's rows are then
     whole tiles and the sum is k elementwise passes (token-major [t, k, d] has a
     4-row axis that TPU pads and copies, in float32 for XLA's batched product). The
     weights take y's dtype, and so does every cotangent of the backward: autodiff would
-    widen y to float32 for the weights' gradient, a [k, t, d] copy."""
+    widen y to float32 for the weights' gradient, a [k, t, d] copy.
+
+    With `out_bias` [E, d] and `key` [t k] (each pair's expert, token-major; E where no
+    expert here took the pair): a pair's output is y + out_bias[key], and zero where key
+    is E, whatever y holds there (rows a grouped matmul left unwritten). Applied here,
+    after the un-sort, it costs no pass of its own over the sorted rows, forward or
+    backward: the selects fuse into the sum and into the cotangent's product."""
     t, k = wts.shape
     choice_major = (order % k) * t + order // k  # pair (token i, choice j) -> j t + i
     y = unsort_rows(y_sorted[: t * k], choice_major, (k, t))
-    return _weighted(wts.T.astype(y.dtype), y)
+    key_kt = None if key is None else key.reshape(t, k).T
+    return _row_major(_weighted(wts.T.astype(y.dtype), y, out_bias, key_kt))
+
+
+def _row_major(x):
+    """x laid out row-major, as a fresh array is by default. Left free, XLA:TPU lays the
+    sum out as its consumers downstream prefer (the reduce-scatter, the residual stream:
+    column-major) and copies the [k, t, d] outputs to match before summing them (728 MiB
+    a layer in the 20b step, in the forward and again in the backward's recompute), and
+    the float32 cotangent back; pinned row-major, none of these copies is made."""
+    return with_layout_constraint(x, Layout(major_to_minor=tuple(range(x.ndim))))
+
+
+def _pairs(y_td, bias, key_t, acc):
+    """One choice's pair outputs [t, d] in `acc`: y, or y plus its expert's bias where an
+    expert took the pair and zero where none did (a select: y may be anything there)."""
+    if bias is None:
+        return y_td.astype(acc)
+    e = bias.shape[0]
+    biased = y_td.astype(acc) + _rows_of(bias.astype(acc), jnp.minimum(key_t, e - 1))
+    return jnp.where((key_t < e)[:, None], biased, jnp.zeros((), acc))
 
 
 @jax.custom_vjp
-def _weighted(w_kt, y_ktd):
+def _weighted(w_kt, y_ktd, bias, key_kt):
     acc = jnp.promote_types(y_ktd.dtype, jnp.float32)
-    out = w_kt[0].astype(acc)[:, None] * y_ktd[0].astype(acc)
+    pair = lambda j: _pairs(y_ktd[j], bias, None if bias is None else key_kt[j], acc)
+    out = w_kt[0].astype(acc)[:, None] * pair(0)
     for j in range(1, w_kt.shape[0]):
-        out = out + w_kt[j].astype(acc)[:, None] * y_ktd[j].astype(acc)
+        out = out + w_kt[j].astype(acc)[:, None] * pair(j)
     return out
 
 
-def _weighted_fwd(w_kt, y_ktd):
-    return _weighted(w_kt, y_ktd), (w_kt, y_ktd)
+def _weighted_fwd(w_kt, y_ktd, bias, key_kt):
+    return _weighted(w_kt, y_ktd, bias, key_kt), (w_kt, y_ktd, bias, key_kt)
 
 
 def _weighted_bwd(res, g_td):
-    """Both gradients from the output's cotangent rounded to y's dtype (float32 on CPU:
-    exact), each accumulated in float32 and written in its operand's dtype."""
-    w_kt, y_ktd = res
+    """Every gradient from the output's cotangent rounded to y's dtype (float32 on CPU:
+    exact), each accumulated in float32 and written in its operand's dtype; the bias's by
+    a one-hot product over the pairs (zero rows where no expert took the pair)."""
+    w_kt, y_ktd, bias, key_kt = res
     acc = jnp.promote_types(y_ktd.dtype, jnp.float32)
     g = g_td.astype(y_ktd.dtype).astype(acc)
-    gw = jnp.stack([jnp.sum(g * y_ktd[j].astype(acc), axis=-1) for j in range(w_kt.shape[0])])
-    gy = (w_kt.astype(acc)[:, :, None] * g[None]).astype(y_ktd.dtype)
-    return gw.astype(w_kt.dtype), gy
+    pair = lambda j: _pairs(y_ktd[j], bias, None if bias is None else key_kt[j], acc)
+    gw = jnp.stack([jnp.sum(g * pair(j), axis=-1) for j in range(w_kt.shape[0])])
+    gy = w_kt.astype(acc)[:, :, None] * g[None]
+    if bias is None:
+        return gw.astype(w_kt.dtype), gy.astype(y_ktd.dtype), None, None
+    e = bias.shape[0]
+    gy = jnp.where((key_kt < e)[:, :, None], gy, jnp.zeros((), acc)).astype(y_ktd.dtype)
+    onehot = jax.nn.one_hot(key_kt, e, dtype=gy.dtype)  # all zeros where key == e
+    gb = jnp.einsum("kte,ktd->ed", onehot, gy, preferred_element_type=acc,
+                    precision=_exact_one_hot(gy.dtype))  # fmt: skip
+    return gw.astype(w_kt.dtype), gy, gb.astype(bias.dtype), None
 
 
 _weighted.defvjp(_weighted_fwd, _weighted_bwd)
+
+
+def _exact_one_hot(dtype):
+    """A one-hot product of 16-bit operands is exact; wider ones must not be rounded to it."""
+    return None if jnp.dtype(dtype).itemsize < 4 else jax.lax.Precision.HIGHEST
 
 
 @jax.custom_vjp
@@ -126,13 +168,22 @@ def glu(gate, up, limit: float, alpha: float):
 
 def gated_activation(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
     """gate, up [R, F] (float32, or the compute dtype) of rows whose experts are `experts`
-    [R], biases [E, F] -> the activation [R, F] in `dtype`, computed in float32."""
+    [R], biases [E, F] -> the activation [R, F] in `dtype`, computed in float32. A row
+    whose expert is E (none here took it) may hold anything; so may its activation."""
     act = glu(_row_bias(gate, bias_gate, experts), _row_bias(up, bias_up, experts), limit, alpha)
     return act.astype(dtype)
 
 
+def finish_rows(y, out_bias, key):
+    """Sorted rows' expert outputs y [R, D] plus each row's expert's bias [E, D], zero
+    where key == E (no expert here took the row; y may be anything there)."""
+    y_b = add_row_bias(y, out_bias, key)
+    return jnp.where((key < out_bias.shape[0])[:, None], y_b, jnp.zeros((), y.dtype))
+
+
 def add_row_bias(x, bias, experts):
-    """x [R, D] plus each row's expert's bias [E, D], added in float32, in x's dtype."""
+    """x [R, D] plus each row's expert's bias [E, D], added in float32, in x's dtype
+    (rows whose expert is E: undefined, and left out of the bias's gradient)."""
     return _row_bias(x, bias, experts).astype(x.dtype)
 
 
@@ -140,7 +191,7 @@ def add_row_bias(x, bias, experts):
 def _row_bias(x, bias, experts):
     """x [R, F] plus each row's expert's bias, in float32 (or wider)."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    return x.astype(acc) + _rows_of(bias.astype(acc), experts)
+    return x.astype(acc) + _rows_of(bias.astype(acc), jnp.minimum(experts, bias.shape[0] - 1))
 
 
 # Up to this many experts (a shard's, under expert parallelism) a row's bias is chosen by
@@ -168,14 +219,17 @@ def _row_bias_fwd(x, bias, experts):
 def _row_bias_bwd(res, g):
     """The bias gradient from the cotangent as rounded to x's dtype (x's own gradient),
     by a one-hot product: autodiff would scatter-add the float32 cotangent, keeping a
-    float32 [R, F] buffer per product on the way."""
+    float32 [R, F] buffer per product on the way. Rows whose expert is E are selected
+    out inside the product (their cotangent may be anything: 0 x NaN is NaN); x's
+    gradient keeps them, for consumers that skip those rows (the grouped matmuls)."""
     like, bias, experts = res
     gx = g.astype(like.dtype)
-    onehot = jax.nn.one_hot(experts, bias.shape[0], dtype=gx.dtype)
+    e = bias.shape[0]
+    onehot = jax.nn.one_hot(experts, e, dtype=gx.dtype)  # zero rows where experts == e
+    taken = jnp.where((experts < e)[:, None], gx, jnp.zeros((), gx.dtype))
     acc = jnp.promote_types(gx.dtype, jnp.float32)
-    # a one-hot product of 16-bit operands is exact; wider ones must not be rounded to it
-    exact = None if gx.dtype.itemsize < 4 else jax.lax.Precision.HIGHEST
-    gb = jnp.einsum("re,rf->ef", onehot, gx, preferred_element_type=acc, precision=exact)
+    gb = jnp.einsum("re,rf->ef", onehot, taken, preferred_element_type=acc,
+                    precision=_exact_one_hot(gx.dtype))  # fmt: skip
     return gx, gb.astype(bias.dtype), None
 
 

@@ -127,11 +127,15 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     key = _expert_of_received_rows(received, local_e, n * pairs)
     by_expert = jnp.argsort(key, stable=True)
     y = experts(rows[by_expert], key[by_expert], received.sum(0))
-    y = experts_lib.unsort_rows(experts_lib.finish_rows(y, out_bias, key[by_expert]), by_expert)
-    # Back: each sender's rows return to where they left its sorted buffer.
+    y = experts_lib.unsort_rows(y, by_expert)
+    # Back: each sender's rows return to where they left its sorted buffer. Only rows that
+    # arrived go back, so the undefined ones stay here; the output bias is added at home,
+    # in the weighted sum, from every expert's (a few MB): a pass over the pairs a device
+    # sent rather than over the receive buffer, n times their rows.
     y = _exchange(y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes,
                   pairs)  # fmt: skip
-    out = experts_lib.weighted_sum(wts, y, order)
+    every_bias = jax.lax.all_gather(out_bias, expert_axes, axis=0, tiled=True)
+    out = experts_lib.weighted_sum(wts, y, order, every_bias, flat)
     # (tokens are split over every expert axis here: all_to_all_accepts)
     return jax.lax.psum(out, mlp_axes) if mlp_axes else out
 

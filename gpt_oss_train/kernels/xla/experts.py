@@ -95,9 +95,7 @@ def _pairs(y_td, bias, key_t, acc):
     expert took the pair and zero where none did (a select: y may be anything there)."""
     if bias is None:
         return y_td.astype(acc)
-    e = bias.shape[0]
-    biased = y_td.astype(acc) + _rows_of(bias.astype(acc), jnp.minimum(key_t, e - 1))
-    return jnp.where((key_t < e)[:, None], biased, jnp.zeros((), acc))
+    return jnp.where((key_t < bias.shape[0])[:, None], _biased(y_td, bias, key_t), 0.0)
 
 
 @jax.custom_vjp
@@ -126,20 +124,23 @@ def _weighted_bwd(res, g_td):
     gy = w_kt.astype(acc)[:, :, None] * g[None]
     if bias is None:
         return gw.astype(w_kt.dtype), gy.astype(y_ktd.dtype), None, None
-    e = bias.shape[0]
-    gy = jnp.where((key_kt < e)[:, :, None], gy, jnp.zeros((), acc)).astype(y_ktd.dtype)
-    onehot = jax.nn.one_hot(key_kt, e, dtype=gy.dtype)  # all zeros where key == e
-    gb = jnp.einsum("kte,ktd->ed", onehot, gy, preferred_element_type=acc,
-                    precision=_exact_one_hot(gy.dtype))  # fmt: skip
+    gy = jnp.where((key_kt < bias.shape[0])[:, :, None], gy, 0.0).astype(y_ktd.dtype)
+    gb = _sum_by_expert(gy, key_kt, bias.shape[0])
     return gw.astype(w_kt.dtype), gy, gb.astype(bias.dtype), None
 
 
 _weighted.defvjp(_weighted_fwd, _weighted_bwd)
 
 
-def _exact_one_hot(dtype):
-    """A one-hot product of 16-bit operands is exact; wider ones must not be rounded to it."""
-    return None if jnp.dtype(dtype).itemsize < 4 else jax.lax.Precision.HIGHEST
+def _sum_by_expert(g, experts, e: int):
+    """g [..., D] summed by each row's expert (experts [...]) -> [E, D] in float32 (or
+    wider), by a one-hot product, exact for 16-bit g. Rows whose expert is E are selected
+    out first: they may hold anything, and 0 x NaN is NaN."""
+    taken = jnp.where((experts < e)[..., None], g, jnp.zeros((), g.dtype))
+    onehot = jax.nn.one_hot(experts, e, dtype=g.dtype)
+    exact = None if g.dtype.itemsize < 4 else jax.lax.Precision.HIGHEST  # no rounding to 16 bits
+    acc = jnp.promote_types(g.dtype, jnp.float32)
+    return jnp.einsum("...e,...d->ed", onehot, taken, preferred_element_type=acc, precision=exact)
 
 
 @jax.custom_vjp
@@ -189,7 +190,13 @@ def add_row_bias(x, bias, experts):
 
 @jax.custom_vjp
 def _row_bias(x, bias, experts):
-    """x [R, F] plus each row's expert's bias, in float32 (or wider)."""
+    """`_biased`, with the one-hot bias gradient below."""
+    return _biased(x, bias, experts)
+
+
+def _biased(x, bias, experts):
+    """x [R, F] plus each row's expert's bias, in float32 (or wider); a row whose expert
+    is E gets the last one's (it is undefined)."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     return x.astype(acc) + _rows_of(bias.astype(acc), jnp.minimum(experts, bias.shape[0] - 1))
 
@@ -224,13 +231,7 @@ def _row_bias_bwd(res, g):
     gradient keeps them, for consumers that skip those rows (the grouped matmuls)."""
     like, bias, experts = res
     gx = g.astype(like.dtype)
-    e = bias.shape[0]
-    onehot = jax.nn.one_hot(experts, e, dtype=gx.dtype)  # zero rows where experts == e
-    taken = jnp.where((experts < e)[:, None], gx, jnp.zeros((), gx.dtype))
-    acc = jnp.promote_types(gx.dtype, jnp.float32)
-    gb = jnp.einsum("re,rf->ef", onehot, taken, preferred_element_type=acc,
-                    precision=_exact_one_hot(gx.dtype))  # fmt: skip
-    return gx, gb.astype(bias.dtype), None
+    return gx, _sum_by_expert(gx, experts, bias.shape[0]).astype(bias.dtype), None
 
 
 _row_bias.defvjp(_row_bias_fwd, _row_bias_bwd)

@@ -11,8 +11,8 @@ gathered once per loss (train.loss_gather_once).
 configs/tpu_v5e.py's model, precision, remat and kernels otherwise. Checked from a CPU
 with the compiler the pod runs (docs/AOT.md has the figures):
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py --topology=v6e:8x8
-  -> 16.02 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-29); the step model's estimate
-     1.02 s a step, 4,014 tokens/s a chip, HBM-bound
+  -> 16.69 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-29); the step model's estimate
+     1.00 s a step, 4,076 tokens/s a chip, HBM-bound
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py:gpt-oss-120b \
       --topology=v6e:16x16
   -> 31.55 GiB of 32 a chip: fits, with 0.45 GiB to spare (2026-11-29); the estimate

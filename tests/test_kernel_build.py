@@ -181,7 +181,7 @@ def test_collecting_the_kernel_tests_compiles_nothing(tmp_path):
     collecting them neither builds a kernel nor asks the compiler anything."""
     calls = tmp_path / "calls"
     cxx = _compiler_script(tmp_path / "c++", f'echo "$*" >> {calls}\nexit 1', version=False)
-    files = ["test_cpu_kernels.py", "test_cpu_glu.py", "test_cpu_grouped_matmul.py",
+    files = ["test_cpu_kernels.py", "test_glu.py", "test_cpu_grouped_matmul.py",
              "test_cpu_self_attention.py", "test_fused_adamw.py", "test_loss.py",
              "test_kernel_build.py"]  # fmt: skip
     env = dict(os.environ, CXX=cxx, XDG_CACHE_HOME=str(tmp_path / "cache"))

@@ -151,7 +151,7 @@ def _backward_kernel(gate_ref, up_ref, d_act_ref, e_col_ref, e_row_ref, bg_ref, 
 
 
 def _row_bias(bias_ref, e_col):
-    """Each row's expert's bias [ROWS, F] by selects (a row of no expert gets the last)."""
+    """Each row's expert's bias [ROWS, F] by selects (a row of no expert gets the first)."""
     out = jnp.broadcast_to(bias_ref[0:1, :], (e_col.shape[0], bias_ref.shape[1]))
     for e in range(1, bias_ref.shape[0]):
         out = jnp.where(e_col == e, bias_ref[e : e + 1, :], out)

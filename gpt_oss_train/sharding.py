@@ -277,6 +277,14 @@ def inside_shard_map() -> bool:
     return bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
+def per_device() -> bool:
+    """Whether arrays traced here are one device's own: no mesh, a one-device mesh, or
+    inside shard_map. A Pallas kernel runs per device; on a wider mesh outside shard_map
+    the partitioner cannot split its call."""
+    ctx = _ACTIVE.get()
+    return ctx is None or ctx[0].size == 1 or inside_shard_map()
+
+
 def axes_size(axes: tuple[str, ...]) -> int:
     """The number of devices along the product of `axes` (inside shard_map)."""
     n = 1

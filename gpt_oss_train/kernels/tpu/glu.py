@@ -30,14 +30,12 @@ def accepts(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype) -> bo
     device's arrays (inside shard_map, as expert parallelism calls it, or a 1-device mesh)."""
     from gpt_oss_train import sharding
 
-    ctx = sharding.active()
-    on_one_device = ctx is None or ctx[0].size == 1 or sharding.inside_shard_map()
     return (
         gate.dtype == up.dtype == jnp.bfloat16
         and jnp.dtype(dtype) == jnp.bfloat16
         and bias_gate.shape[0] <= MAX_EXPERTS
         and gate.shape[0] % (ROWS * CORES) == 0
-        and on_one_device
+        and sharding.per_device()
     )
 
 

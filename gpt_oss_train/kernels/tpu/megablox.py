@@ -30,8 +30,7 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None):
     from gpt_oss_train import sharding
     from gpt_oss_train.kernels.tpu import ragged_dot
 
-    ctx = sharding.active()
-    if ctx is not None and ctx[0].size > 1 and not sharding.inside_shard_map():
+    if not sharding.per_device():
         # A Pallas kernel runs per device (inside shard_map, as expert parallelism calls
         # it); on a mesh outside one, XLA's ragged dot, which the partitioner splits.
         return ragged_dot.grouped_matmul(x, w, group_sizes, out_dtype)

@@ -130,7 +130,7 @@ def default_config() -> ml_collections.ConfigDict:
             loss_chunk_size=1024,  # tokens per chunk of the vocabulary projection + loss
             # With the unembedding split over FSDP: gather it once for all loss chunks,
             # forward and backward, and reduce-scatter each chunk's gradient to its shard
-            # (training/loss.py), instead of the partitioner's all-gather per chunk (and
+            # (model/logprobs.py), instead of the partitioner's all-gather per chunk (and
             # again in the recompute) and all-reduce of whole gradients. The gathered matrix
             # stays in memory through the loss.
             loss_gather_once=False,

@@ -1,10 +1,11 @@
 """GRPO's rollouts: each training step's batch, sampled from the policy being trained
-(a top-level module: it joins training with the serving engine, the floor above it).
+(a top-level module: it joins training with the serving engine, a floor below training).
 
 For step s, `Rollouts.batch(state, s)` takes the next global_batch_size / group_size prompts
 of the prompt pipeline (shuffled from config.seed and resumable like any data pipeline),
 renders each as a Harmony prompt and has the serving `Engine` sample group_size
-completions of it, in this process, on the trainer's mesh, from the state's own parameters
+completions of it on the trainer's mesh (on several processes, process 0 schedules the
+engine's rounds and the others run them with it), from the state's own parameters
 (full fine-tuning: the trained ones; LoRA: the frozen base merged with the trained
 adapters): no second copy of the model and no export between steps. Each completion's seed
 is a function of (config.seed, s, row), so a resumed run samples exactly what the
@@ -22,6 +23,7 @@ train step runs; its compiled steps are built once, at the first rollout.
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
 
@@ -29,6 +31,7 @@ import grain
 import numpy as np
 from absl import logging
 
+from gpt_oss_train import hosts
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.engine import PREFIX_BLOCK, Engine, EngineOptions, RequestParams
@@ -61,10 +64,11 @@ def engine_options(config) -> EngineOptions:
 
 def prompt_pipeline(source, prompts_per_step: int, seed: int) -> data_lib.Pipeline:
     """Prompts in a new shuffled order each epoch, prompts_per_step a batch, forever; its
-    iterator is checkpointed with the run like a data pipeline's."""
+    iterator is checkpointed with the run like a data pipeline's. Every process reads the
+    same prompts, and the rollout batch it makes is the whole global batch."""
     ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
     ds = ds.to_iter_dataset().batch(prompts_per_step, batch_fn=list)
-    return data_lib.Pipeline(ds, source)
+    return data_lib.Pipeline(ds, source, whole_batches=True)
 
 
 class Rollouts:
@@ -73,7 +77,7 @@ class Rollouts:
     reward that does not load or fails on the first prompt) is raised here, before the
     first rollout."""
 
-    def __init__(self, setup, config):
+    def __init__(self, setup, config, link: hosts.Link | None = None):
         t = config.train
         if t.eval_every and not config.data.eval_source:
             raise ConfigError(
@@ -81,6 +85,7 @@ class Rollouts:
                 "held-out prompts; set it, or train.eval_every=0"
             )
         self.setup, self.c, self.rl = setup, config, config.rl
+        self.link = link or hosts.Link(0, 1, {})
         if config.train.objective != "grpo":
             raise ConfigError("train.objective: Rollouts are GRPO's (train.objective='grpo')")
         self.source = prompts_lib.make_prompt_source(config.data.source, seed=config.seed)
@@ -115,9 +120,23 @@ class Rollouts:
         if self.engine is None:
             s = self.setup
             model = loading.LoadedModel(s.model_def, params, s.mesh, s.rules, "train", "", self.c)
-            self.engine = Engine(model, engine_options(self.c))
+            self.engine = Engine(model, engine_options(self.c), self.link)
         self.engine.model.params = params
         return self.engine
+
+    def _complete(self, state, prompts, params) -> list[list[int]]:
+        """Each prompt's completion tokens, on every process: process 0 schedules the
+        engine's rounds and the others run them with it (Engine.follow), then it sends
+        the completions, so every process scores and trains on the same rows."""
+        engine = self._engine(self._policy(state))
+        if not self.link.multihost:
+            return [c.tokens for c in engine.run_batch(prompts, params)]
+        done = None
+        if self.link.leader:
+            done = json.dumps([c.tokens for c in engine.run_batch(prompts, params)]).encode()
+        else:
+            engine.follow()
+        return json.loads(self.link.share(done))
 
     def _policy(self, state):
         """The parameters the engine samples from: the state's, with the base under LoRA."""
@@ -144,16 +163,17 @@ class Rollouts:
         """Each completion's total reward and each reward function's values."""
         totals = np.zeros(len(done), np.float64)
         per_fn = {name: np.zeros(len(done)) for name, _, _ in self.rewards}
-        for row, completion in enumerate(done):
+        for row, tokens in enumerate(done):
             rec = records[row // per_record]
-            record = rewards_lib.completion_record(completion.tokens, self.tokenizer)
+            record = rewards_lib.completion_record(tokens, self.tokenizer)
             totals[row], values = rewards_lib.score(self.rewards, rec.messages, record, rec.extra)
             for name, v in values.items():
                 per_fn[name][row] = v
         return totals, per_fn
 
     def batch(self, state, step: int) -> tuple[dict, dict]:
-        """(this step's rows as a local batch, the rollout's metrics)."""
+        """(this step's rows as the whole global batch, the same on every process; the
+        rollout's metrics)."""
         records = next(self.pipeline)
         t0 = time.perf_counter()
         prompts, params = [], []
@@ -162,7 +182,7 @@ class Rollouts:
             for g in range(self.group):
                 prompts.append(ids)
                 params.append(self._params(sample_seed(self.c.seed, step, i * self.group + g)))
-        done = self._engine(self._policy(state)).generate(prompts, params)
+        done = self._complete(state, prompts, params)
         rollout_s = time.perf_counter() - t0
         totals, per_fn = self._scores(records, done, self.group)
         adv = np.asarray(
@@ -172,13 +192,13 @@ class Rollouts:
         seq_len = self.c.train.seq_len
         rows = []
         for prompt, completion, a in zip(prompts, done, adv):
-            ids = prompt + completion.tokens
-            mask = [0] * len(prompt) + [1] * len(completion.tokens)
+            ids = prompt + completion
+            mask = [0] * len(prompt) + [1] * len(completion)
             row = data_lib.padded_row(ids, mask, seq_len)
             row["advantages"] = np.full(seq_len, a, np.float32)
             rows.append(row)
         local = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-        lengths = np.asarray([len(c.tokens) for c in done], np.float64)
+        lengths = np.asarray([len(c) for c in done], np.float64)
         metrics = {
             "reward": float(totals.mean()),
             "reward_std": float(totals.std()),
@@ -196,11 +216,11 @@ class Rollouts:
         n = min(len(self.eval_source), self.c.train.eval_batches * self.c.train.global_batch_size)
         records = [self.eval_source[i] for i in range(n)]
         prompts = [self._prompt(rec) for rec in records]
-        done = self._engine(self._policy(state)).generate(prompts, self._params(None))
+        done = self._complete(state, prompts, [self._params(None)] * len(prompts))
         totals, _ = self._scores(records, done, 1)
         return {"eval_reward": float(totals.mean()), "eval_pass@1": float(np.mean(totals > 0))}
 
     def close(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self.link.leader:
             self.engine.stop()
         logging.info("GRPO rollouts stopped")

@@ -207,6 +207,12 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, fit_spec(spec, x.shape, mesh)))
 
 
+def host_readable(tree):
+    """Outputs the host reads (sampled tokens, log-probabilities), whole on every device:
+    on several processes a process can read an array only if it holds all of it."""
+    return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)
+
+
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """Drops mesh axes from dims they do not divide (e.g. batch 1 at decode time, or 8 KV
     heads on a 16-way tensor axis), keeping the largest prefix of axes that divides."""

@@ -31,12 +31,11 @@ import time
 import jax
 from absl import app, flags, logging
 
-from gpt_oss_train import architecture, errors, hardware, logs, rollouts, runtime, sharding
+from gpt_oss_train import architecture, errors, hardware, hosts, logs, rollouts, runtime, sharding
 from gpt_oss_train import config as config_lib
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import ConfigError, RunStopped
 from gpt_oss_train.io import storage, workdir_lock
-from gpt_oss_train.sharding import initialize_distributed
-from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import flops as flops_lib
 from gpt_oss_train.training import guards
@@ -212,7 +211,7 @@ class Run:
                 self.lock.release()
 
 
-def prepare(config, workdir: str, devices=None) -> Run:
+def prepare(config, workdir: str, devices=None, link: hosts.Link | None = None) -> Run:
     """Everything before the first step; user errors are raised here, before the model
     is created (the workdir's checkpoints are checked first, and never touched). A run
     that fails here leaves no lock and no folder it created behind."""
@@ -222,7 +221,7 @@ def prepare(config, workdir: str, devices=None) -> Run:
     created = not storage.exists(workdir)
     lock = workdir_lock.acquire_for_job(workdir)  # process 0 holds it; all refuse together
     try:
-        return _prepare_locked(config, workdir, devices, lock)
+        return _prepare_locked(config, workdir, devices, lock, link)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -234,15 +233,13 @@ def prepare(config, workdir: str, devices=None) -> Run:
         raise
 
 
-def _prepare_locked(config, workdir: str, devices, lock) -> Run:
+def _prepare_locked(config, workdir: str, devices, lock, link) -> Run:
     t = config.train
     arch = resolve_architecture(config)
     setup = state_lib.build(config, arch, devices)
     grpo = None
     if t.objective == "grpo":
-        if jax.process_count() > 1:
-            raise ConfigError("train.objective: GRPO runs in one process for now")
-        grpo = rollouts.Rollouts(setup, config)
+        grpo = rollouts.Rollouts(setup, config, link)
         pipeline = grpo.pipeline
     else:
         pipeline = data_lib.make_pipeline(
@@ -406,10 +403,11 @@ class _Loop:
             self.save_failed(last=True)
 
 
-def train(config, workdir: str, devices=None) -> dict:
+def train(config, workdir: str, devices=None, link: hosts.Link | None = None) -> dict:
     """Runs the training job; returns a summary (used by tests and the CLI). `devices`
-    restricts the mesh to some of the devices (tests compare meshes in one process)."""
-    run = prepare(config, workdir, devices)
+    restricts the mesh to some of the devices (tests compare meshes in one process);
+    `link`: the job's hosts.Link on several processes (GRPO's rollouts use it)."""
+    run = prepare(config, workdir, devices, link)
     try:
         start = int(run.state["step"])
         writer = MetricsWriter(
@@ -439,14 +437,19 @@ def train(config, workdir: str, devices=None) -> dict:
 def main(argv):
     del argv
     logs.quiet_library_logs()
-    initialize_distributed()  # before anything asks JAX for its devices
-    runtime.setup_process(sharding.platform())
-    if not _WORKDIR.value:
-        raise app.UsageError("--workdir is required: where checkpoints and metrics go")
-    try:
-        summary = train(_CONFIG.value, _WORKDIR.value)
-    except (errors.UserError, errors.RunStopped) as e:
-        sys.exit(errors.report(e))
+    link = hosts.join()  # before anything asks JAX for its devices
+    with link:
+        runtime.setup_process(sharding.platform())
+        if not _WORKDIR.value:
+            raise app.UsageError("--workdir is required: where checkpoints and metrics go")
+        try:
+            summary = train(_CONFIG.value, _WORKDIR.value, link=link)
+        except (errors.UserError, errors.RunStopped) as e:
+            status = errors.report(e)
+        else:
+            status = 0
+    if status:
+        sys.exit(status)
     if jax.process_index() == 0:
         losses = summary["losses"]
         if losses:

@@ -8,14 +8,22 @@
 # stopped (a survivor would otherwise wait in a collective for its dead peer): they get a
 # few seconds to end on their own (a job refused on every process exits by itself), then
 # SIGKILL; no SIGTERM, since a checkpoint needs every process and the failed one is gone.
-# The script exits with the first failure's status. SIGINT/SIGTERM to this script are
-# passed on as SIGTERM: every process saves a checkpoint, then exits.
+# The script exits with the first failure's status, else 0. SIGINT/SIGTERM to this script
+# are passed on as SIGTERM: every process ends its work in order (train saves a checkpoint;
+# serve drains its requests, process 0 telling the others when), and the script exits
+# when they have, SIGKILLing those still running after STOP_TIMEOUT_S (default 120).
+# Process 0 reads this script's standard input (decode --mode=chat < FILE); the others
+# get none: process 0 sends them what they need.
 set -euo pipefail
 n=${1:?usage: launch/local.sh NUM_PROCESSES command...}; shift
 port=${COORDINATOR_PORT:-$((20000 + RANDOM % 20000))}
 per=${DEVICES_PER_PROCESS:-4}
 # A device count already in XLA_FLAGS (e.g. a test harness's) would fight ours.
 xla_flags=$(printf '%s' "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g')
+
+# Process 0's standard input: this script's, if it has one (CI may start it with none).
+input=/dev/null
+if { true < /dev/stdin; } 2>/dev/null; then input=/dev/stdin; fi
 
 pids=()
 index_of() {  # the process id of a pid (no associative arrays: macOS ships bash 3.2)
@@ -33,20 +41,21 @@ wait_then_kill() {
   done
   for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
 }
+stop_deadline=0
 stop_all() {
   local pid
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  # SIGTERM asks train.py for a checkpoint, which needs every peer; give up after 10 s.
-  wait_then_kill 50
+  stop_deadline=$((SECONDS + ${STOP_TIMEOUT_S:-120}))
 }
-trap 'stop_all; exit 130' INT TERM
+trap stop_all INT TERM
 
 for ((i = 0; i < n; i++)); do
   # `read` rather than sed for the prefix: sed buffers its output when it writes to a pipe.
   JAX_COORDINATOR_ADDRESS="localhost:$port" JAX_PROCESS_COUNT="$n" JAX_PROCESS_ID="$i" \
   JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}" \
   XLA_FLAGS="$xla_flags --xla_force_host_platform_device_count=$per" \
-    "$@" > >(while IFS= read -r line; do printf '[%s] %s\n' "$i" "$line"; done) 2>&1 &
+    "$@" < "$( ((i == 0)) && echo "$input" || echo /dev/null)" \
+    > >(while IFS= read -r line; do printf '[%s] %s\n' "$i" "$line"; done) 2>&1 &
   pids+=($!)
 done
 
@@ -67,12 +76,17 @@ while ((${#remaining[@]})); do
         status=$rc
         echo "launch/local.sh: process $(index_of "$pid") exited with status $rc; the others" \
           "cannot save a checkpoint without it, so they are stopped without one (a rerun" \
-          "resumes from the newest complete checkpoint)" >&2
+          "resumes from the newest complete checkpoint, if one was saved)" >&2
         wait_then_kill 25  # after a failure, no SIGTERM: no checkpoint is possible
       fi
     fi
   done
   remaining=(${still[@]+"${still[@]}"})
+  if ((stop_deadline && SECONDS > stop_deadline)); then
+    echo "launch/local.sh: still running ${STOP_TIMEOUT_S:-120} s after SIGTERM; killed" >&2
+    for pid in "${remaining[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    stop_deadline=0
+  fi
   ((${#remaining[@]})) && sleep 0.2
 done
 trap - INT TERM

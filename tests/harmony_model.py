@@ -194,7 +194,8 @@ def _fit(config, pairs):
 
 def _greedy_check(folder: str, pairs) -> list[str]:
     """decode's generate path on the saved folder: every prompt must give its target."""
-    from gpt_oss_train.inference import loading, requests
+    from gpt_oss_train.decode import requests
+    from gpt_oss_train.inference import loading
 
     model = loading.load_model(folder, loading.default_runtime_config(), dtype="float32")
     lines = "".join(

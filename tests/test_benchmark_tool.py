@@ -50,7 +50,7 @@ def test_trace_summary_adds_device_kernel_time(tmp_path):
     kernels are summed by name, and launches are counted per decode step."""
     import gzip
 
-    from gpt_oss_train.inference.benchmarking import summarize_trace
+    from gpt_oss_train.decode.benchmarking import summarize_trace
 
     events = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
@@ -78,7 +78,7 @@ def test_trace_summary_of_a_cpu_run_counts_each_op_once(tmp_path):
     body's ops (nested in its span on the same thread) did not take."""
     import gzip
 
-    from gpt_oss_train.inference.benchmarking import summarize_trace
+    from gpt_oss_train.decode.benchmarking import summarize_trace
 
     worker = {"name": "tf_XLAEigen/123"}
     events = [

@@ -13,10 +13,10 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.inference import loading
 from gpt_oss_train.io import storage
 from gpt_oss_train.model.transformer import ModelDef
-from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import sources
 

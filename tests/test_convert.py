@@ -49,7 +49,7 @@ def test_hf_to_orbax_to_hf_is_bit_exact(tmp_path, random_hf_model):
     random_hf_model(seed=3).save_pretrained(hf_in)
     r = run_tool(f"--hf_dir={hf_in}", f"--output_dir={orbax}")
     assert r.returncode == 0, r.stderr[-2000:]
-    from gpt_oss_train.training import checkpoint
+    from gpt_oss_train.checkpoints import checkpoint
 
     assert checkpoint.read_model_config(str(orbax))["num_layers"] == 4
     r = run_tool(f"--orbax_dir={orbax}", f"--hf_out={hf_out}", "--dtype=float32")

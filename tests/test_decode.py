@@ -19,7 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from gpt_oss_train.inference import chat, loading, requests
+from gpt_oss_train.decode import chat, requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io.tokenizer import Tokenizer
 

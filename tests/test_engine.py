@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from gpt_oss_train.inference import loading, requests
+from gpt_oss_train.decode import requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.engine import (
     NO_TOKEN,
     Engine,

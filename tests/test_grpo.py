@@ -17,8 +17,8 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import rollouts
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import ConfigError
-from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training.rewards import RewardError
 from gpt_oss_train.training.sources import DataError
 

@@ -13,13 +13,14 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 FLOORS = (
     ("errors", "logs", "hardware"),
     ("sharding", "runtime"),
-    ("architecture", "arrays"),
+    ("architecture", "arrays", "hosts"),
     ("kernels",),
     ("config",),
     ("model",),
     ("io",),
-    ("training",),
+    ("checkpoints",),
     ("inference",),
+    ("training",),
     ("train", "rollouts", "decode", "serve", "tools"),
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
@@ -74,6 +75,19 @@ def test_no_import_from_a_lower_floor_to_a_higher_one(graph):
         for m, deps in graph.items()
         for d in deps
         if d != "gpt_oss_train" and FLOOR[_unit(d)] > FLOOR[_unit(m)]
+    )
+    assert not upward, "\n".join(upward)
+
+
+def test_inference_imports_neither_training_nor_decode(graph):
+    """Inference (the engine, loading, scoring, adapters, the server) is usable without the
+    training code or the decode command's front-ends above it."""
+    upward = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if _unit(m) == "inference"
+        for d in deps
+        if d != "gpt_oss_train" and _unit(d) in ("training", "decode")
     )
     assert not upward, "\n".join(upward)
 

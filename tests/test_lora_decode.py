@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train.inference import loading, requests
+from gpt_oss_train.decode import requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.io import hf, lora_export
 from gpt_oss_train.io import peft as peft_io
 from gpt_oss_train.model import lora

@@ -18,9 +18,9 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import RunStopped
 from gpt_oss_train.model.transformer import ModelDef
-from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import steps as steps_lib
 from gpt_oss_train.training.metrics import read_metrics_jsonl
 

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import config as config_lib
+from gpt_oss_train.decode import requests
 from gpt_oss_train.inference import adapters as adapters_lib
-from gpt_oss_train.inference import loading, requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.engine import Engine, RequestParams, RequestRejected
 from gpt_oss_train.io import hf
 from gpt_oss_train.io import peft as peft_io

@@ -15,7 +15,8 @@ import pytest
 openai = pytest.importorskip("openai")
 hm = pytest.importorskip("harmony_model")
 
-from gpt_oss_train.inference import loading, requests  # noqa: E402
+from gpt_oss_train.decode import requests  # noqa: E402
+from gpt_oss_train.inference import loading  # noqa: E402
 from gpt_oss_train.io import tokenizer as tok_lib  # noqa: E402
 
 pytestmark = pytest.mark.full  # the trained Harmony model (a few minutes, once per machine)

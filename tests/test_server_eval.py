@@ -10,7 +10,8 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from gpt_oss_train.inference import loading, requests  # noqa: E402
+from gpt_oss_train.decode import requests  # noqa: E402
+from gpt_oss_train.inference import loading  # noqa: E402
 from gpt_oss_train.io import tokenizer as tok_lib  # noqa: E402
 
 pytestmark = pytest.mark.full  # lm-evaluation-harness over the trained Harmony model

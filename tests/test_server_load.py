@@ -24,7 +24,8 @@ import time
 import jax
 import pytest
 
-from gpt_oss_train.inference import loading, requests
+from gpt_oss_train.decode import requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.server.local import free_port, wait_ready
 
 pytestmark = pytest.mark.full  # server load

@@ -17,8 +17,8 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.io import storage, workdir_lock
-from gpt_oss_train.training import checkpoint as ckpt_lib
 
 pytestmark = pytest.mark.full  # the GCS emulator
 
@@ -148,7 +148,7 @@ def _data_iterator():
 
 
 def test_training_checkpoint_items_in_bucket(gcs_dir):
-    """The five items of a training checkpoint (training/checkpoint.py), as TrainCheckpointer
+    """The five items of a training checkpoint (checkpoints/checkpoint.py), as TrainCheckpointer
     writes them, saved to and restored from the bucket; the restored data iterator goes on
     with the same batches the saved one would have given."""
     mesh = _mesh()

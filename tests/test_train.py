@@ -15,9 +15,9 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.model.transformer import ModelDef
-from gpt_oss_train.training import checkpoint as ckpt_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import steps as steps_lib
 

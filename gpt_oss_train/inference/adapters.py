@@ -23,13 +23,17 @@ import jax
 import numpy as np
 
 from gpt_oss_train import architecture
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
+from gpt_oss_train.checkpoints.checkpoint import LORA_META_KEY
 from gpt_oss_train.config import LoraSpec, parse_targets
 from gpt_oss_train.io import peft as peft_io
 from gpt_oss_train.model import lora, parameters
-from gpt_oss_train.training import checkpoint as ckpt_lib
-from gpt_oss_train.training.lora import META_KEY
 
 AdapterError = peft_io.AdapterError
+
+
+class UnknownAdapter(ValueError):
+    """A request names an adapter that is not loaded (the message names those that are)."""
 
 
 def parse_flag(entries: Sequence[str]) -> list[tuple[str, str]]:
@@ -41,12 +45,23 @@ def parse_flag(entries: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
+def adapter_slot(name, adapters: tuple[str, ...], stacked: bool) -> int:
+    """A request's "adapter" -> its slot: 0 (none given; or the one unstacked adapter
+    every request uses), else 1 + its index among the loaded adapters."""
+    if name is None:
+        return 0
+    if name not in adapters:
+        loaded = f"loaded: {list(adapters)}" if adapters else "none is loaded (--adapter)"
+        raise UnknownAdapter(f'"adapter": {name!r} is not loaded; {loaded}')
+    return adapters.index(name) + 1 if stacked else 0
+
+
 def base_of(named: Sequence[tuple[str, str]]) -> str:
     """The base a LoRA training workdir records, for --adapter without --checkpoint."""
     path = named[0][1]
     source = ""
     if ckpt_lib.is_orbax_checkpoint(path):
-        source = ckpt_lib.read_meta(path).get(META_KEY, {}).get("base", {}).get("source", "")
+        source = ckpt_lib.read_meta(path).get(LORA_META_KEY, {}).get("base", {}).get("source", "")
     if not source:
         raise AdapterError(
             f"--adapter={path} does not name the checkpoint it was trained on; pass --checkpoint"
@@ -77,7 +92,7 @@ def read_adapter(path: str, arch: Mapping[str, Any], name: str = "") -> Adapter:
             f"--adapter={path} is neither a PEFT adapter folder (adapter_config.json) nor a "
             "LoRA training workdir / checkpoint"
         )
-    meta = ckpt_lib.read_meta(path).get(META_KEY)
+    meta = ckpt_lib.read_meta(path).get(LORA_META_KEY)
     if meta is None:
         raise AdapterError(f"--adapter={path} is a full checkpoint, not a LoRA adapter")
     stored = ckpt_lib.read_model_config(path)

@@ -1,5 +1,8 @@
 """The serving engine: continuous batching over a fixed number of decode slots.
 
+It exists beside `Generator` (generate.py, offline batches of known prompts) for requests
+that arrive at any time: continuous batching, a prefix cache and streamed tokens.
+
     engine = Engine.from_checkpoint("runs/cpu_tiny", max_slots=8, max_context=4096)
     engine.start()                                   # compiles every shape, then serves
     handle = engine.submit(prompt_ids, RequestParams(max_tokens=64, temperature=0.7))
@@ -31,6 +34,7 @@ import dataclasses
 import itertools
 import operator
 import os
+import queue
 import threading
 import time
 from typing import Sequence
@@ -39,7 +43,9 @@ import jax
 from absl import logging
 
 from gpt_oss_train import runtime
-from gpt_oss_train.inference import loading
+from gpt_oss_train.hosts import Link
+from gpt_oss_train.inference import adapters as adapters_lib
+from gpt_oss_train.inference import loading, scoring
 from gpt_oss_train.inference.engine_loop import EngineLoop
 from gpt_oss_train.inference.engine_steps import EngineSteps
 from gpt_oss_train.inference.handles import (
@@ -117,7 +123,10 @@ class Engine:
     """Continuous batching over `max_slots` decode slots of `max_context` positions.
     Thread-safe: submit, cancel, stats, generate and chat may be called from any thread."""
 
-    def __init__(self, model: LoadedModel, opts: EngineOptions):
+    def __init__(self, model: LoadedModel, opts: EngineOptions, link: Link | None = None):
+        """`link`: on several processes, the job's hosts.Link. Process 0 schedules and
+        sends each round to the others; they run it (`follow`) with no scheduler of their
+        own, so every process runs the same device calls on its shards."""
         opts = opts.check(model.cfg.max_position_embeddings)
         self.model, self.opts = model, opts
         self.max_context = opts.max_context
@@ -135,7 +144,8 @@ class Engine:
             pool_blocks=opts.prefix_cache_tokens // PREFIX_BLOCK,
             top_logprobs=opts.max_logprobs,
         )
-        self._loop = EngineLoop(model, self.steps, opts.max_queue)
+        self.link = link or Link(0, 1, {})
+        self._loop = EngineLoop(model, self.steps, opts.max_queue, self.link)
         self.memory = {
             "weights": _nbytes(model.params),
             "kv_cache": _nbytes(self._loop.cache),
@@ -144,6 +154,7 @@ class Engine:
         self.memory["total"] = sum(self.memory.values())
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._warm = False
         self._start_lock = threading.Lock()
 
     # -- construction -------------------------------------------------------------------
@@ -159,6 +170,7 @@ class Engine:
         devices=None,
         compilation_cache: bool = True,
         adapters: Sequence[tuple[str, str]] = (),
+        link: Link | None = None,
         **options,
     ) -> Engine:
         """An engine over a checkpoint (an Orbax tree or a Hugging Face folder), loaded as
@@ -169,6 +181,7 @@ class Engine:
         prefix_cache_tokens (default 4 x max_context, 0: off), max_queue=256 (requests
         waiting for a slot), max_logprobs=20 (the most top alternatives a request may
         ask for). Options are checked before the checkpoint is read.
+        `link`: the job's hosts.Link on several processes (see __init__).
         `compilation_cache`: turn on JAX's persistent compilation cache (process-wide).
         `adapters`: LoRA adapters [(name, folder)] beside the base, as decode's --adapter:
         [("", folder)] is one adapter every request uses; named ones are chosen per
@@ -186,13 +199,13 @@ class Engine:
             devices=devices,
             adapters=adapters,
         )
-        return cls(model, opts)
+        return cls(model, opts, link)
 
     @classmethod
-    def from_model(cls, model: LoadedModel, **options) -> Engine:
+    def from_model(cls, model: LoadedModel, link: Link | None = None, **options) -> Engine:
         """An engine over a loaded model (loading.load_model, loading.random_model);
         options as from_checkpoint's."""
-        return cls(model, EngineOptions(**options))
+        return cls(model, EngineOptions(**options), link)
 
     def __enter__(self) -> Engine:
         self.start()
@@ -204,13 +217,59 @@ class Engine:
     # -- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Compiles and runs every shape the loop uses once, then starts the loop thread.
-        Logs the memory it holds. Calling it again does nothing."""
+        """Compiles and runs every shape the loop uses once, then starts the loop thread
+        (process 0 only: the others `follow`). Logs the memory it holds. Calling it again
+        does nothing."""
         with self._start_lock:
-            if self._thread is None:
-                self._start()
+            self._warm_up()
+            if self._thread is None and self.link.leader:
+                self._thread = threading.Thread(
+                    target=self._loop.run, name="gpt-oss-engine", daemon=True
+                )
+                self._thread.start()
 
-    def _start(self) -> None:
+    def follow(self) -> None:
+        """Another process of a multi-host engine: warms up as process 0 does, then runs
+        process 0's rounds until it says its work is done (after `run_batch`) or closes
+        the link (the server stopping)."""
+        assert not self.link.leader, "process 0 schedules; the others follow"
+        with self._start_lock:
+            self._warm_up()
+        self._loop.follow()
+
+    def run_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: RequestParams | Sequence[RequestParams] = RequestParams(),
+    ) -> list[Completion]:
+        """Every prompt's Completion, in order, with the rounds run on the calling thread
+        (no loop thread may run: a batch of known requests, as GRPO's rollouts). The
+        rounds depend on the requests alone, not on timing; on several processes they go
+        to the others, which `follow` until this returns."""
+        assert self._thread is None, "run_batch runs the rounds itself: do not start() first"
+        with self._start_lock:
+            self._warm_up()
+        each = [params] * len(prompts) if isinstance(params, RequestParams) else list(params)
+        handles: list[RequestHandle] = []
+        try:
+            for prompt, p in zip(prompts, each, strict=True):
+                while True:
+                    try:
+                        handles.append(self.submit(prompt, p))
+                        break
+                    except RequestRejected as e:
+                        if e.status != 429:
+                            raise
+                        self._loop.run_until_idle()  # the queue is full: drain it
+            self._loop.run_until_idle()
+        finally:
+            self._loop.end_work()
+        return [h.result() for h in handles]
+
+    def _warm_up(self) -> None:
+        if self._warm:
+            return
+        self._warm = True
         gib = {k: f"{v / 2**30:.3f} GiB" for k, v in self.memory.items()}
         logging.info(
             "engine: %d slots x %d positions; memory %s", self.opts.max_slots, self.max_context, gib
@@ -221,8 +280,6 @@ class Engine:
         logging.info(
             "engine: %d shapes compiled and run in %.1f s", shapes, time.perf_counter() - t0
         )
-        self._thread = threading.Thread(target=self._loop.run, name="gpt-oss-engine", daemon=True)
-        self._thread.start()
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Stops accepting requests, lets queued and running ones finish for up to
@@ -247,12 +304,10 @@ class Engine:
         """The stacked adapter slot a request for adapter `name` runs with (decode's
         rule: None is the base, or the one unnamed adapter); RequestRejected (400) naming
         the loaded adapters for a name that is not loaded."""
-        from gpt_oss_train.inference import requests
-
         stacked = bool(self.adapters)
         try:
-            return requests.adapter_slot(name, self.model.adapters, stacked)
-        except requests.LineError as e:
+            return adapters_lib.adapter_slot(name, self.model.adapters, stacked)
+        except adapters_lib.UnknownAdapter as e:
             self._reject(str(e), 400)
 
     def submit(self, prompt: Sequence[int], params: RequestParams = RequestParams()):
@@ -349,9 +404,8 @@ class Engine:
     def score(self, prompt: Sequence[int], adapter: str | None = None) -> list[float]:
         """log p(t[i+1] | t[:i+1]) for i in [0, n-1) of a prompt of n >= 2 tokens, as
         `decode --mode=score` computes them, under `adapter` (as RequestParams.adapter).
-        Runs on the calling thread, beside the loop."""
-        from gpt_oss_train.inference import requests
-
+        Runs on the calling thread, beside the loop (on several processes, in the loop's
+        next round)."""
         slot = self.adapter_slot(adapter)
         vocab = self.model.cfg.vocab_size
         try:
@@ -363,8 +417,15 @@ class Engine:
                 f"scoring needs 2 to {self.max_context} token ids in [0, {vocab}), got {len(ids)}",
                 400,
             )
-        fn = self.model.kept("scorer", lambda: requests.score_fn(self.model))
-        return requests.score_batch(self.model, fn, [ids], rows=1, adapter=slot)[0].tolist()
+        if self.link.multihost:  # every device call goes through the rounds
+            done = queue.Queue(maxsize=1)
+            self._loop.add_job(scoring.score_inputs([ids], rows=1, adapter=slot), done.put)
+            logp = done.get()
+            if logp is None:
+                self._reject("the engine stopped before scoring the prompt", 503)
+            return scoring.unpad(logp, [ids])[0].tolist()
+        fn = self.model.kept("scorer", lambda: scoring.score_fn(self.model))
+        return scoring.score_batch(self.model, fn, [ids], rows=1, adapter=slot)[0].tolist()
 
     def stats(self) -> dict:
         """Counters since start-up (EngineStats.COUNTERS), gauges (queue_depth, running,

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from gpt_oss_train.inference import slots
+from gpt_oss_train.hosts import Link, LinkClosed
+from gpt_oss_train.inference import rounds, scoring, slots
 from gpt_oss_train.inference.engine_stats import EngineStats
 from gpt_oss_train.inference.engine_steps import EngineSteps
 from gpt_oss_train.inference.handles import (
@@ -35,9 +36,29 @@ from gpt_oss_train.inference.loading import LoadedModel
 from gpt_oss_train.inference.prefix_cache import PrefixIndex, block_names
 
 
+class _Plan:
+    """A round being planned: its calls, and for each the requests it affects and what
+    to do with its outputs once they are on the host (`take`, or None)."""
+
+    def __init__(self):
+        self.calls: list[rounds.Call] = []
+        self.affected: list[list[slots.Active]] = []
+        self.takes: list = []
+
+    def add(self, op: str, affected, *args, static=None, take=None) -> None:
+        self.calls.append(rounds.Call(op, args, static or {}))
+        self.affected.append(list(affected))
+        self.takes.append(take)
+
+
 class EngineLoop:
-    def __init__(self, model: LoadedModel, steps: EngineSteps, max_queue: int):
+    def __init__(
+        self, model: LoadedModel, steps: EngineSteps, max_queue: int, link: Link | None = None
+    ):
         self.model, self.steps, self.max_queue = model, steps, max_queue
+        # Process 0's link to the others of a multi-host engine (hosts.py): each round's
+        # calls go to them before they run here.
+        self.link = link or Link(0, 1, {})
         self.rows = slots.row_buckets(steps.max_slots)
         self.chunks = slots.chunk_buckets(steps.prefill_chunk, steps.block)
         self.contexts = slots.context_buckets(steps.max_context, max(256, steps.prefill_chunk))
@@ -50,6 +71,9 @@ class EngineLoop:
         self.queue: collections.deque[tuple[RequestHandle, RequestParams, int, int]] = (
             collections.deque()
         )
+        # Scoring calls to run in the next round (a multi-host engine's, whose every
+        # device call goes through the rounds): (score_fn's inputs, take(log-probs or None)).
+        self.jobs: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.stats = EngineStats()
         self.accepting = True
@@ -74,6 +98,16 @@ class EngineLoop:
                     self._retry_after_s(),
                 )
             self.queue.append((handle, params, seed, adapter))
+            self.cond.notify_all()
+
+    def add_job(self, inputs: tuple, take) -> None:
+        """Queues a scoring call for the next round; take(log-probs) gets its output,
+        take(None) if the engine ends first."""
+        with self.cond:
+            if self.shutdown or self.dead is not None:
+                take(None)
+                return
+            self.jobs.append((inputs, take))
             self.cond.notify_all()
 
     def reject(self, message: str, status: int, retry_after_s: float | None = None):
@@ -115,43 +149,117 @@ class EngineLoop:
             self.end_everything(reason="error", error=self.dead)
 
     def _has_work(self) -> bool:
-        return bool(self.queue) or bool(self.slots.active) or self.shutdown
+        return bool(self.queue) or bool(self.slots.active) or bool(self.jobs) or self.shutdown
+
+    def run_until_idle(self) -> None:
+        """Rounds on the calling thread until no request waits or runs (for a batch of
+        known requests, with no loop thread running)."""
+        with self.model.scope():
+            while self._round():
+                pass
+
+    def follow(self) -> None:
+        """Another process of a multi-host engine: runs process 0's rounds as they come,
+        until process 0 says its work is done or closes the link."""
+        with self.model.scope():
+            while True:
+                try:
+                    round_ = rounds.decode(self.link.receive())
+                except LinkClosed:
+                    return
+                if round_.end:
+                    return
+                self.apply(round_.calls)
+
+    def end_work(self) -> None:
+        """Process 0: tells the others that no rounds come for now (they return from
+        `follow`)."""
+        if self.link.multihost:
+            self.link.send(rounds.encode(rounds.Round(end=True)))
 
     def _round(self) -> bool:
-        """Admit, one prefill chunk, one decode step. False when there was nothing to do."""
+        """Admit, one prefill chunk, one decode step. False when there was nothing to do.
+
+        The round is planned first, then run: every call's inputs are decided before any
+        runs (the decode step takes the rows that were generating when the round began;
+        a prompt whose prefill ends here decodes from the next round), so the whole
+        round is one message to the other processes of a multi-host engine."""
         self._reap_cancelled()
-        self._admit()
-        busy = False
+        plan = _Plan()
+        self._admit(plan)
+        decoding = self.slots.decoding()
         a = self.slots.next_prefill()
         if a is not None:
-            self._guarded([a], self._prefill_chunk, a)
-            busy = True
-        decoding = self.slots.decoding()
+            self._plan_prefill(plan, a)
         if decoding:
-            self._guarded(decoding, self._decode_step, decoding)
-            busy = True
-        return busy
+            self._plan_decode(plan, decoding)
+        with self.cond:
+            jobs, self.jobs = list(self.jobs), collections.deque()
+        for inputs, take in jobs:
+            plan.add("score", [], *inputs, take=take)
+        if not plan.calls:
+            return False
+        self._run(plan)
+        return True
 
-    def _guarded(self, affected: list[slots.Active], step, *args) -> None:
-        """step(*args); an exception fails the requests it affected ("error") and the
-        loop goes on. If the failed call had consumed the donated cache, the cache is
-        made anew and every request in it fails too."""
+    def _run(self, plan: _Plan) -> None:
+        """Sends the round to the other processes, runs it here, then hands each call's
+        outputs to its request(s). A failure fails the requests the round affected; if it
+        had consumed the donated cache, the cache is made anew and every request in it
+        fails too. On several processes a failure ends the engine: the processes could
+        no longer be sure to hold the same cache."""
         try:
-            step(*args)
+            if self.link.multihost:
+                self.link.send(rounds.encode(rounds.Round(plan.calls)))
+            outs = jax.device_get(self.apply(plan.calls))
         except Exception as e:  # noqa: BLE001 - the requests get the message
+            if self.link.multihost:
+                raise
             logging.exception("engine step failed")
             self.stats.add(step_errors=1)
-            error = f"{type(e).__name__}: {e}"
-            if any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.pool))):
-                self.cache, self.pool = self.steps.new_cache(), self.steps.new_pool()
-                self.index = PrefixIndex(self.steps.pool_blocks)
-                affected = list(self.slots.active.values())
-            for a in affected:
-                self.end(a, "error", error=error)
+            self._fail([a for group in plan.affected for a in group], e)
+            return
+        for out, take in zip(outs, plan.takes):
+            if take is not None:
+                take(out)
 
-    # -- steps --------------------------------------------------------------------------
+    def _fail(self, affected: list[slots.Active], e: Exception) -> None:
+        error = f"{type(e).__name__}: {e}"
+        if any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.pool))):
+            self.cache, self.pool = self.steps.new_cache(), self.steps.new_pool()
+            self.index = PrefixIndex(self.steps.pool_blocks)
+            affected = list(self.slots.active.values())
+        for a in dict.fromkeys(affected):  # once each, in order
+            self.end(a, "error", error=error)
 
-    def _admit(self) -> None:
+    def apply(self, calls: list[rounds.Call]) -> list:
+        """Runs a round's calls in order on this process's shards of the cache, the
+        prefix pool and the parameters (process 0 and every follower alike); returns
+        each call's outputs (None for admit and save)."""
+        s, p = self.steps, self.model.params
+        outs = []
+        for c in calls:
+            out = None
+            if c.op == "admit":
+                self.cache = s.admit(self.cache, self.pool, *c.args)
+            elif c.op == "prefill":
+                out, self.cache = s.prefill(p, self.cache, *c.args, **c.static)
+            elif c.op == "save":
+                self.pool = s.save(self.pool, self.cache, *c.args)
+            elif c.op == "decode":
+                out, self.cache = s.decode(p, self.cache, *c.args, **c.static)
+            elif c.op == "score":
+                out = self.model.kept("scorer", lambda m=self.model: scoring.score_fn(m))(
+                    p, *c.args
+                )
+            else:
+                raise ValueError(f"unknown engine operation {c.op!r}")
+            outs.append(out)
+        return outs
+
+    # -- planning -----------------------------------------------------------------------
+
+    def _admit(self, plan: _Plan) -> None:
         """Waiting requests into free slots."""
         while self.slots.free:
             with self.cond:
@@ -161,9 +269,9 @@ class EngineLoop:
             pooled = self.steps.pool_blocks > 0
             names = block_names(handle.prompt, self.steps.block, adapter) if pooled else []
             a = self.slots.take(handle, params, seed, names, adapter)
-            self._guarded([a], self._restore, a)
+            self._restore(plan, a)
 
-    def _restore(self, a: slots.Active) -> None:
+    def _restore(self, plan: _Plan, a: slots.Active) -> None:
         """Empties a's slot and copies in the longest cached prefix of its prompt (whole
         blocks, leaving at least the last prompt token to prefill)."""
         s = self.steps
@@ -172,18 +280,21 @@ class EngineLoop:
         block_ids = np.zeros(s.id_slots, np.int32)
         block_ids[: len(ids)] = ids
         a.cached = a.prefilled = len(ids) * s.block
-        self.cache = s.admit(self.cache, self.pool, np.int32(a.slot), block_ids, np.int32(a.cached))
+        plan.add("admit", [a], np.int32(a.slot), block_ids, np.int32(a.cached))
         hit = "prefix_cache_hits" if ids else "prefix_cache_misses"
         self.stats.add(
             prompt_tokens=len(a.prompt), cached_prompt_tokens=a.cached, **{hit: int(bool(a.names))}
         )
 
-    def _prefill_chunk(self, a: slots.Active) -> None:
+    def _plan_prefill(self, plan: _Plan, a: slots.Active) -> None:
+        """The next chunk of a's prompt, and the whole blocks it completes into the pool."""
         x = slots.prefill_inputs(a, self.chunks, self.contexts)
         start = a.prefilled
-        out, self.cache = self.steps.prefill(
-            self.model.params,
-            self.cache,
+        a.prefilled = start + x["n"]
+        last = a.prefilled == len(a.prompt)  # the prompt's last position: the first token
+        plan.add(
+            "prefill",
+            [a],
             np.int32(a.slot),
             x["tokens"],
             x["positions"],
@@ -191,15 +302,13 @@ class EngineLoop:
             x["settings"],
             x["want_top"],
             x["adapter_ids"],
-            context=x["context"],
+            static=dict(context=x["context"]),
+            take=(lambda out: self._tokens([a], out)) if last else None,
         )
-        self._save_blocks(a, start, start + x["n"])
-        a.prefilled = start + x["n"]
+        self._save_blocks(plan, a, start, a.prefilled)
         self.stats.add(prefill_chunks=1, prefill_tokens=x["n"])
-        if a.prefilled == len(a.prompt):  # the prompt's last position: the first token
-            self._tokens([a], jax.device_get(out))
 
-    def _save_blocks(self, a: slots.Active, start: int, end: int) -> None:
+    def _save_blocks(self, plan: _Plan, a: slots.Active, start: int, end: int) -> None:
         """The prompt's whole blocks in [start, end) into the prefix pool (those not there)."""
         s = self.steps
         first, stop = start // s.block, min(end // s.block, len(a.names), s.max_prefix_blocks)
@@ -210,24 +319,24 @@ class EngineLoop:
             if pool_id is not None:
                 block_ids[i] = pool_id
         if (block_ids < s.pool_blocks).any():
-            self.pool = s.save(self.pool, self.cache, np.int32(a.slot), np.int32(start), block_ids)
+            plan.add("save", [a], np.int32(a.slot), np.int32(start), block_ids)
 
-    def _decode_step(self, rows: list[slots.Active]) -> None:
+    def _plan_decode(self, plan: _Plan, rows: list[slots.Active]) -> None:
+        """One decode step for every row that is generating."""
         x = slots.decode_inputs(rows, self.rows, self.contexts)
-        out, self.cache = self.steps.decode(
-            self.model.params,
-            self.cache,
+        picked = [a.slot for a in rows]
+        plan.add(
+            "decode",
+            rows,
             x["tokens"],
             x["positions"],
             x["settings"],
             x["want_top"],
             x["adapter_ids"],
-            rows=x["rows"],
-            context=x["context"],
+            static=dict(rows=x["rows"], context=x["context"]),
+            take=lambda out: self._tokens(rows, [v[picked] for v in out]),
         )
         self.stats.add(decode_steps=1)
-        picked = [a.slot for a in rows]
-        self._tokens(rows, [x[picked] for x in jax.device_get(out)])
 
     def _tokens(self, rows: list[slots.Active], out) -> None:
         """One sampled token per row (outputs in row order): recorded, streamed, and the
@@ -297,6 +406,9 @@ class EngineLoop:
         """Ends every queued and running request (once the loop has stopped)."""
         with self.cond:
             queued, self.queue = list(self.queue), collections.deque()
+            jobs, self.jobs = list(self.jobs), collections.deque()
+        for _, take in jobs:
+            take(None)
         for q in queued:
             self.end(q, reason, error=error)
         for a in list(self.slots.active.values()):

@@ -127,7 +127,7 @@ class EngineSteps:
         logits = model.logits(hidden_bd[:, None])[:, 0]
         tokens = sampling.sample(logits, settings)
         chosen, top_ids, top_lp = sampling.logprobs(logits, tokens, want_top, self.top_n)
-        return tokens, chosen, top_ids, top_lp
+        return sharding.host_readable((tokens, chosen, top_ids, top_lp))
 
     @staticmethod
     def _window(cache: dict, rows, context: int, start=0) -> dict:

@@ -1,5 +1,9 @@
 """Autoregressive generation: KV cache, chunked prefill, a compiled decode loop, sampling.
 
+`Generator` exists beside the serving engine (engine.py) for offline batches of known
+prompts (decode's generate, chat and benchmark modes): one compiled prefill and a compiled
+decode loop on the device.
+
 The cache is allocated once per call at a bucketed maximum length and updated in place
 (scatter into donated buffers). Full-attention layers keep a slot per position; banded
 layers keep a ring of `max(window, prefill_chunk)` slots, so their memory does not grow
@@ -168,7 +172,10 @@ class Generator:
             reason=jnp.zeros(b, jnp.int32),
         )
         out = jax.lax.while_loop(cond, body, state)
-        return out["tokens"], out["logprobs"], out["lengths"], out["reason"], out["cache"]
+        results = sharding.host_readable(
+            (out["tokens"], out["logprobs"], out["lengths"], out["reason"])
+        )
+        return (*results, out["cache"])
 
     # -- public API ---------------------------------------------------------------------
 
@@ -249,7 +256,7 @@ class Generator:
         adapter_ids: Sequence[int] | None = None,
     ) -> list[dict]:
         """The token loop of `generate`, from what `prefill(prompts, max_len)` returned; a
-        separate step so callers can time prefill and decode apart (inference/benchmarking.py).
+        separate step so callers can time prefill and decode apart (decode/benchmarking.py).
         The cache is donated: it cannot be used again."""
         seeds = list(seeds) if seeds is not None else [0] * len(lengths)
         # A row may not grow past the cache (full layers hold one slot per position).

@@ -1,9 +1,10 @@
 """Loading a model for inference: a checkpoint placed on a mesh, the run-time options
 decoding shares, its limits, and the helpers that turn generated ids into text.
 
-`decode.py` (the CLI), the JSONL modes (requests.py), chat, the benchmarks and the
-serving engine (engine.py) all start from `load_model`. The architecture always comes
-from the checkpoint; the runtime config only says how to run it (mesh, dtype, kernels).
+The decode command (decode/: cli.py, the JSONL modes in requests.py, chat, the
+benchmarks) and the serving engine (engine.py) all start from `load_model`. The
+architecture always comes from the checkpoint; the runtime config only says how to run
+it (mesh, dtype, kernels).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from absl import logging
 
 from gpt_oss_train import architecture, runtime, sharding
 from gpt_oss_train import config as config_lib
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io import storage
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.kernels import platforms
 from gpt_oss_train.model.transformer import ModelDef
-from gpt_oss_train.training import checkpoint as ckpt_lib
 
 # Raw text ends on <|endoftext|> as well as Harmony's end-of-turn ids (HF's eos ids).
 TEXT_STOP_IDS = tuple(sorted({tok_lib.ENDOFTEXT_ID, *tok_lib.Tokenizer.stop_ids}))
@@ -36,7 +37,7 @@ class DecodeError(UserError):
 
 def default_runtime_config():
     """The runtime used without --config: no remat (nothing is differentiated), ragged MoE,
-    the platform's kernels, scanned layers, the default mesh (FSDP over the local devices)."""
+    the platform's kernels, scanned layers, the default mesh (FSDP over every process's devices)."""
     c = config_lib.default_config()
     c.remat_policy = "none"
     c.moe_impl = "ragged"
@@ -157,10 +158,10 @@ def _place(
     config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None, adapters=()
 ):
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
-    mesh of the runtime config (over `devices`, default the local ones), int8-quantized
+    mesh of the runtime config (over `devices`, default every process's), int8-quantized
     if asked, with `adapters` ([(name, folder)]) beside the base."""
     rules = sharding.validate_rules(config.logical_axis_rules)
-    devices = jax.local_devices() if devices is None else devices
+    devices = jax.devices() if devices is None else devices
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
     platform = sharding.platform(mesh)
     if config.dtype == "auto":
@@ -201,7 +202,7 @@ def load_model(
     adapters: Sequence[tuple[str, str]] = (),
 ) -> LoadedModel:
     """The checkpoint's parameters, placed on the mesh of the runtime config (over
-    `devices`, default the local ones), with LoRA `adapters` [(name, folder)] beside them
+    `devices`, default every process's), with LoRA `adapters` [(name, folder)] beside them
     (name "": the one adapter every request uses)."""
     config = runtime_config(config, dtype)
     kind = checkpoint_kind(path)

@@ -194,7 +194,7 @@ def _profile_train_step(setup, state, batch):
     """One more (compiled) training step under the JAX profiler; prints where it went."""
     import jax
 
-    from gpt_oss_train.inference import benchmarking
+    from gpt_oss_train.decode import benchmarking
 
     out_dir = os.path.join(_PROFILE_DIR.value, "train")
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
@@ -211,13 +211,14 @@ def active_weight_bytes(mc, bytes_per_weight: float) -> float:
 
 
 def bench_decode(config):
-    """decode's benchmark (benchmarking.py) on random weights, plus the share of the
+    """decode's benchmark (decode/benchmarking.py) on random weights, plus the share of the
     memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
     import jax
     import numpy as np
 
     from gpt_oss_train import hardware
-    from gpt_oss_train.inference import benchmarking, loading
+    from gpt_oss_train.decode import benchmarking
+    from gpt_oss_train.inference import loading
 
     model = loading.random_model(config, int8_weights=_INT8.value)
     mc = model.cfg
@@ -270,7 +271,8 @@ def _profile_decode(model, opts):
     """One traced generate call per batch size (already compiled by the benchmark)."""
     import jax
 
-    from gpt_oss_train.inference import benchmarking, loading
+    from gpt_oss_train.decode import benchmarking
+    from gpt_oss_train.inference import loading
     from gpt_oss_train.inference.generate import cache_length
 
     length, new = _PROMPT_LEN.value, _NEW_TOKENS.value

@@ -3,7 +3,7 @@ peak RSS is its own. Not meant to be run by hand (benchmark.py passes the shape)
 
   --mode=train   GptOssForCausalLM (random init, the same shape) with torch AdamW on
                  random tokens: loss.backward, gradient clipping, optimizer step.
-  --mode=decode  inference/benchmarking.hf_benchmark (generate) on an HF folder.
+  --mode=decode  decode/benchmarking.hf_benchmark (generate) on an HF folder.
 
 Prints one JSON record per measurement, with the process's peak RSS.
 """
@@ -90,7 +90,7 @@ def bench_train(arch: dict) -> dict:
 def bench_decode() -> list[dict]:
     import json as json_lib
 
-    from gpt_oss_train.inference import benchmarking
+    from gpt_oss_train.decode import benchmarking
 
     with open(os.path.join(_HF_DIR.value, "config.json")) as f:
         vocab = json_lib.load(f)["vocab_size"]

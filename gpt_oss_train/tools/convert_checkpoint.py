@@ -43,9 +43,9 @@ def hf_to_orbax(hf_dir: str, output_dir: str, param_dtype: str = "float32") -> d
 
     from gpt_oss_train import config as config_lib
     from gpt_oss_train import sharding
+    from gpt_oss_train.checkpoints import checkpoint
     from gpt_oss_train.io import hf
     from gpt_oss_train.model.transformer import ModelDef
-    from gpt_oss_train.training import checkpoint
 
     if checkpoint.find_step_dir(output_dir) is not None:
         raise checkpoint.CheckpointError(
@@ -69,9 +69,9 @@ def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: boo
 
     from gpt_oss_train import config as config_lib
     from gpt_oss_train import sharding
+    from gpt_oss_train.checkpoints import checkpoint
     from gpt_oss_train.io import hf
     from gpt_oss_train.model.transformer import ModelDef
-    from gpt_oss_train.training import checkpoint
 
     if os.path.isdir(hf_out) and os.listdir(hf_out):
         raise FileExistsError(f"{hf_out} is not empty; choose a new folder")

@@ -35,9 +35,9 @@ def base_reader(path: str, arch: dict, seed: int):
     checkpoint or (path "") the random base of `seed` that training made."""
     import jax
 
+    from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
     from gpt_oss_train.io import hf
     from gpt_oss_train.model import lora
-    from gpt_oss_train.training import checkpoint as ckpt_lib
 
     if path and not ckpt_lib.is_orbax_checkpoint(path):
         ckpt = hf.HFCheckpoint(path)
@@ -88,19 +88,18 @@ def main(argv):
 
 
 def _recorded_base(adapter: str) -> dict:
-    from gpt_oss_train.inference import adapters as adapters_lib
-    from gpt_oss_train.training import checkpoint as ckpt_lib
+    from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 
     if not ckpt_lib.is_orbax_checkpoint(adapter):
         return {}
-    return ckpt_lib.read_meta(adapter).get(adapters_lib.META_KEY, {}).get("base", {})
+    return ckpt_lib.read_meta(adapter).get(ckpt_lib.LORA_META_KEY, {}).get("base", {})
 
 
 def _architecture(base: str, adapter: str) -> dict:
     """The base's architecture; for a random base, the one the adapter workdir stores."""
     from gpt_oss_train import errors
+    from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
     from gpt_oss_train.inference import loading
-    from gpt_oss_train.training import checkpoint as ckpt_lib
 
     if base:
         return loading.read_architecture(base, loading.checkpoint_kind(base))

@@ -160,7 +160,8 @@ def static_batch(ckpt: str, reqs: list[dict], workdir: str) -> dict:
 
 def _static_child() -> dict:
     """decode --mode=generate's code path on every request in one batch, timed warm."""
-    from gpt_oss_train.inference import loading, requests
+    from gpt_oss_train.decode import requests
+    from gpt_oss_train.inference import loading
 
     reqs = json.load(open(FLAGS.static_input))
     longest = max(r["max_tokens"] for r in reqs)

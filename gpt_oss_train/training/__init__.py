@@ -1,1 +1,1 @@
-"""Training: optimizer step, loss, data, checkpoints, metrics."""
+"""Training: optimizer step, loss, data, metrics (checkpoints: gpt_oss_train/checkpoints)."""

@@ -17,11 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt_oss_train import sharding
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
+from gpt_oss_train.checkpoints.checkpoint import LORA_META_KEY
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.io import storage
 from gpt_oss_train.model import frozen_base, lora, parameters
 from gpt_oss_train.model.transformer import ModelDef, Transformer
-from gpt_oss_train.training import checkpoint as ckpt_lib
 
 
 class FrozenBase:
@@ -108,14 +109,12 @@ def init_adapters(model_def: ModelDef, seed: int, mesh, rules, shardings) -> dic
 
 # ----------------------------------------------------------------------------- checkpoints
 
-META_KEY = "lora"
-
 
 def checkpoint_meta(setup) -> dict:
     """The `meta` entries an adapter checkpoint carries: the spec and the base's reference."""
     if setup.frozen is None:
         return {}
-    return {META_KEY: {**setup.model_cfg.lora.to_json(), "base": setup.frozen.reference()}}
+    return {LORA_META_KEY: {**setup.model_cfg.lora.to_json(), "base": setup.frozen.reference()}}
 
 
 def check_workdir(ckpt: ckpt_lib.TrainCheckpointer, setup):
@@ -124,8 +123,8 @@ def check_workdir(ckpt: ckpt_lib.TrainCheckpointer, setup):
     step = ckpt.latest_step()
     if step is None:
         return
-    stored = ckpt_lib.read_meta(ckpt.directory).get(META_KEY)
-    wanted = checkpoint_meta(setup).get(META_KEY)
+    stored = ckpt_lib.read_meta(ckpt.directory).get(LORA_META_KEY)
+    wanted = checkpoint_meta(setup).get(LORA_META_KEY)
     describe = lambda m: "full parameters" if not m else f"rank-{m['rank']} LoRA on {m['targets']}"
     if (stored is None) != (wanted is None) or (
         stored and (stored["rank"], list(stored["targets"])) != (wanted["rank"], wanted["targets"])

@@ -33,9 +33,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from gpt_oss_train import architecture
+from gpt_oss_train.checkpoints import integrity
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import storage
-from gpt_oss_train.training import integrity
 
 MODEL_CONFIG = "model_config"
 PARAMS = "params"
@@ -44,6 +44,9 @@ META = "meta"
 DATA = "data"
 ALL_ITEMS = (MODEL_CONFIG, PARAMS, OPT_STATE, META, DATA)
 DAMAGED_DIR = "damaged_checkpoints"
+# The entry of `meta` a LoRA adapter checkpoint carries: its spec and the base's reference
+# (training/lora.py writes it; inference/adapters.py and tools/export_lora.py read it).
+LORA_META_KEY = "lora"
 
 
 class CheckpointError(UserError):

@@ -36,11 +36,11 @@ Modes
             (exp of minus the mean)}.
             --data=SPEC (any training source): mean next-token loss and perplexity over
             --num_batches batches of --batch_size x --seq_len from its "eval" split.
-  chat      Harmony chat on stdin/stdout (chat.py). /reset clears the history, /exit or
+  chat      Harmony chat on stdin/stdout (decode/chat.py). /reset clears the history, /exit or
             EOF ends. The final channel streams as it is generated; analysis and
             commentary only with --show_analysis (dimmed on a terminal).
   benchmark --batch_sizes=1,4 --prompt_lengths=16,128 --max_new_tokens=32 --repeats=3:
-            (benchmarking.py) random prompts, greedy, exactly max_new_tokens (no stop
+            (decode/benchmarking.py) random prompts, greedy, exactly max_new_tokens (no stop
             ids); per case, after a warm-up, medians of: time to first token (prefill +
             first token), prefill tokens/s, decode tokens/s (batch * new tokens / decode
             time).
@@ -61,9 +61,10 @@ import sys
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, logs, runtime, sharding
+from gpt_oss_train import errors, hosts, logs, runtime, sharding
+from gpt_oss_train.decode import requests
 from gpt_oss_train.inference import adapters as adapters_lib
-from gpt_oss_train.inference import loading, requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.generate import SamplingParams
 from gpt_oss_train.inference.loading import DecodeError, Options
 
@@ -190,16 +191,34 @@ def _check_flags(f) -> Options:
         raise DecodeError("--mode=generate needs --input (JSONL of requests)")
     if f.mode == "score" and bool(f.input) == bool(f.data):
         raise DecodeError("--mode=score needs exactly one of --input (JSONL) or --data (spec)")
-    if f.input and f.mode in ("generate", "score") and not os.path.isfile(f.input):
-        raise DecodeError(f"--input={f.input}: no such file")
     if f.compare_hf and f.mode != "benchmark":
         raise DecodeError("--compare_hf only applies to --mode=benchmark")
-    if f.output and not os.path.isdir(os.path.dirname(os.path.abspath(f.output))):
-        raise DecodeError(f"--output={f.output}: its folder does not exist")
     # Every option but the sampling settings is the flag of the same name.
     names = [o.name for o in dataclasses.fields(Options) if o.name != "sampling"]
     sampling = SamplingParams(f.temperature, f.top_k, f.top_p)
     return Options(sampling=sampling, **{n: f[n].value for n in names})
+
+
+def _check_files(f) -> None:
+    """The files process 0 alone reads and writes (on a pod, they need exist there only)."""
+    if f.input and f.mode in ("generate", "score") and not os.path.isfile(f.input):
+        raise DecodeError(f"--input={f.input}: no such file")
+    if f.output and not os.path.isdir(os.path.dirname(os.path.abspath(f.output))):
+        raise DecodeError(f"--output={f.output}: its folder does not exist")
+
+
+def _agree(link: hosts.Link, check) -> None:
+    """Runs check() on process 0 and raises its DecodeError on every process (the others
+    would otherwise wait for process 0's input forever)."""
+    message = b""
+    if link.leader:
+        try:
+            check()
+        except DecodeError as e:
+            message = str(e).encode()
+    message = link.share(message)
+    if message:
+        raise DecodeError(message.decode())
 
 
 def _write_jsonl(records: list[dict], path: str | None):
@@ -214,8 +233,16 @@ def _write_jsonl(records: list[dict], path: str | None):
         sys.stdout.write(text)
 
 
-def _run(f) -> int:
+def _run(f, link: hosts.Link) -> int:
+    """Every process runs the same program on the global mesh; process 0 alone reads
+    --input (and sends it to the others) and writes the output."""
     opts = _check_flags(f)
+    _agree(link, lambda: _check_files(f))
+    if link.multihost and (f.compare_hf or f.mode == "chat"):
+        raise DecodeError(
+            "--compare_hf and --mode=chat run in one process (transformers and a terminal "
+            "are one host's); launch them without launch/"
+        )
     adapters = adapters_lib.parse_flag(f.adapter)
     if adapters and not f.checkpoint:
         f.checkpoint = adapters_lib.base_of(adapters)
@@ -239,27 +266,31 @@ def _run(f) -> int:
         adapters=adapters,
     )
     if f.mode == "benchmark":
-        return _benchmark(load, f, opts)
+        return _benchmark(load, f, opts, link)
     model = load()
     if f.mode in ("generate", "score") and f.input:
-        with open(f.input, "rb") as src:
-            data = src.read()
+        data = None
+        if link.leader:
+            with open(f.input, "rb") as src:
+                data = src.read()
+        data = link.share(data)
         run = requests.run_generate if f.mode == "generate" else requests.run_score
         records = run(model, data, opts)
-        _write_jsonl(records, f.output)
+        if link.leader:
+            _write_jsonl(records, f.output)
         failed = sum("error" in r for r in records)
         logging.info("%d lines done, %d failed", len(records) - failed, failed)
         return requests.exit_code(records)
     if f.mode == "score":
-        return _score_data(model, f)
+        return _score_data(model, f, link)
     if f.mode == "chat":
-        from gpt_oss_train.inference import chat
+        from gpt_oss_train.decode import chat
 
         return chat.run_chat(model, opts)
     raise AssertionError(f"unhandled mode {f.mode}")
 
 
-def _score_data(model, f) -> int:
+def _score_data(model, f, link: hosts.Link) -> int:
     result = requests.evaluate_data(
         model,
         f.data,
@@ -268,6 +299,8 @@ def _score_data(model, f) -> int:
         seq_len=f.seq_len,
         seed=f.seed,
     )
+    if not link.leader:
+        return 0
     print(
         f"eval loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  "
         f"({result['tokens']} tokens in {result['batches']} batches of {f.data})"
@@ -278,10 +311,10 @@ def _score_data(model, f) -> int:
     return 0
 
 
-def _benchmark(load, f, opts) -> int:
+def _benchmark(load, f, opts, link: hosts.Link) -> int:
     """Our timings, then transformers' on the same checkpoint (--compare_hf) once our copy
     of the weights is freed: `load` makes the model, so no caller keeps a reference."""
-    from gpt_oss_train.inference import benchmarking
+    from gpt_oss_train.decode import benchmarking
 
     model = load()
     batch_sizes = _positive_ints(f.batch_sizes, "batch_sizes")
@@ -307,6 +340,8 @@ def _benchmark(load, f, opts) -> int:
         )
         for r, h in zip(rows, hf_rows):
             r.update(hf_ttft_ms=h["hf_ttft_ms"], hf_decode_tok_s=h["hf_decode_tok_s"])
+    if not link.leader:
+        return 0
     print(benchmarking.format_table(rows))
     if f.output:
         with open(f.output, "w") as out:
@@ -315,8 +350,10 @@ def _benchmark(load, f, opts) -> int:
 
 
 def main(argv):
-    runtime.setup_process(sharding.platform())
-    return errors.run_command(lambda: _run(flags.FLAGS), argv)
+    link = hosts.join()  # before anything asks JAX for its devices
+    with link:
+        runtime.setup_process(sharding.platform())
+        return errors.run_command(lambda: _run(flags.FLAGS, link), argv)
 
 
 def run():

@@ -2,7 +2,7 @@
 `score` (per-token log-probabilities of given text), plus `--data` evaluation.
 
 Each input line is parsed on its own: a line that cannot run becomes an
-{"index", "error"} record and the others still run. See decode.py for the formats.
+{"index", "error"} record and the others still run. See cli.py for the formats.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from absl import logging
 
 from gpt_oss_train import sharding
 from gpt_oss_train.errors import json_error
+from gpt_oss_train.inference.adapters import UnknownAdapter, adapter_slot
 from gpt_oss_train.inference.generate import Generator, cache_length
 from gpt_oss_train.inference.loading import (
     TEXT_STOP_IDS,
@@ -28,16 +29,14 @@ from gpt_oss_train.inference.loading import (
     batch_rows,
     cache_limit,
     completion_text,
-    pow2_at_least,
     prefill_chunk_for,
     stop_slots,
     tokenizer,
 )
+from gpt_oss_train.inference.scoring import score_batch, score_fn
 from gpt_oss_train.io import tokenizer as tok_lib
-from gpt_oss_train.model.transformer import DTYPES
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import evaluate as evaluate_lib
-from gpt_oss_train.training import loss as loss_lib
 from gpt_oss_train.training import steps
 
 
@@ -103,17 +102,6 @@ def _text_ids(text: Any, key: str, vocab_size: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def adapter_slot(name, adapters: tuple[str, ...], stacked: bool) -> int:
-    """A request's "adapter" -> its slot: 0 (none given; or the one unstacked adapter
-    every request uses), else 1 + its index among the loaded adapters."""
-    if name is None:
-        return 0
-    if name not in adapters:
-        loaded = f"loaded: {list(adapters)}" if adapters else "none is loaded (--adapter)"
-        raise LineError(f'"adapter": {name!r} is not loaded; {loaded}')
-    return adapters.index(name) + 1 if stacked else 0
-
-
 def parse_generate_line(
     index: int,
     raw: bytes,
@@ -161,7 +149,10 @@ def parse_generate_line(
             "positions (--max_cache_len, else the model's max_position_embeddings) "
             "and at least one generated token must fit"
         )
-    slot = adapter_slot(obj.get("adapter"), adapters, stacked)
+    try:
+        slot = adapter_slot(obj.get("adapter"), adapters, stacked)
+    except UnknownAdapter as e:
+        raise LineError(str(e)) from None
     return Request(index, kind, prompt, stop_ids, max_new, seed, slot)
 
 
@@ -291,22 +282,6 @@ def exit_code(records: list[dict]) -> int:
     return 1 if records and all("error" in r for r in records) else 0
 
 
-def score_fn(model: LoadedModel):
-    """jit(params, inputs, targets, positions, segment_ids, adapter_ids) -> log p(target)
-    [b, s]; adapter_ids [b]: each row's stacked adapter (inference/adapters.py)."""
-    md, chunk = model.md, model.config.train.loss_chunk_size
-    dtype = DTYPES[model.cfg.dtype]
-
-    def score(params, inputs, targets, positions, segment_ids, adapter_ids):
-        hidden, _, _ = md.bind(params)(inputs, positions, segment_ids, None, adapter_ids)
-        logp, _ = loss_lib.token_logprobs(
-            hidden, params["unembed"]["kernel"], targets, chunk=chunk, dtype=dtype
-        )
-        return logp
-
-    return jax.jit(score)
-
-
 def parse_score_line(raw: bytes, *, vocab_size: int, limit: int) -> tuple[int, ...]:
     obj = _load_line(raw)
     given = [k for k in ("tokens", "text") if k in obj]
@@ -328,37 +303,6 @@ def parse_score_line(raw: bytes, *, vocab_size: int, limit: int) -> tuple[int, .
             "(--max_cache_len, else max_position_embeddings)"
         )
     return ids
-
-
-def score_batch(
-    model: LoadedModel, fn, seqs: list[tuple[int, ...]], rows: int, adapter: int = 0
-) -> list:
-    """log p(t[i+1] | t[:i+1]) for each sequence (under stacked adapter slot `adapter`),
-    as float32 numpy arrays of n-1 values. Rows are padded (segment 0) to a power-of-two
-    length, as training pads."""
-    width = max(16, pow2_at_least(max(len(s) - 1 for s in seqs)))
-    arrays = {
-        k: np.zeros((rows, width), np.int32)
-        for k in ("inputs", "targets", "positions", "segment_ids")
-    }
-    for i, s in enumerate(seqs):
-        n = len(s) - 1
-        arrays["inputs"][i, :n] = s[:-1]
-        arrays["targets"][i, :n] = s[1:]
-        arrays["positions"][i, :n] = np.arange(n)
-        arrays["segment_ids"][i, :n] = 1
-    with model.scope():
-        logp = jax.device_get(
-            fn(
-                model.params,
-                arrays["inputs"],
-                arrays["targets"],
-                arrays["positions"],
-                arrays["segment_ids"],
-                np.full(rows, adapter, np.int32),
-            )
-        )
-    return [logp[i, : len(s) - 1] for i, s in enumerate(seqs)]
 
 
 def run_score(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:

@@ -1,0 +1,1 @@
+"""Checkpoints below training and inference: Orbax trees, integrity, LoRA metadata."""

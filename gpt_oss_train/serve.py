@@ -4,15 +4,25 @@ reasoning and tool calls):
     python -m gpt_oss_train.serve --checkpoint=DIR [--host=127.0.0.1 --port=8000
         --max_slots=8 --max_context=N --dtype=float32 --int8_weights --int8_kv_cache
         --served_model_name=NAME --api_key=KEY --adapter=NAME=DIR,NAME2=DIR2
-        --config.mesh.tensor=2 ...]
+        --max_request_bytes=16777216 --grace_period_s=30 --config.mesh.tensor=2 ...]
 
 --checkpoint and --config are decode's (an Orbax checkpoint or a Hugging Face folder; the
 runtime config sets mesh, dtype and kernels). The engine starts with --max_slots decode
 slots of --max_context positions each and says what memory it holds. Without
 --max_context a slot holds 4096 positions, or the model's max_position_embeddings if it
 has fewer (the log says which); a --max_context above the model's positions is refused.
-SIGTERM (or Ctrl-C) stops accepting connections, lets running requests finish for up to
---grace_period_s seconds, and exits 0.
+
+The port is bound, and listens, before the model loads: a port in use is one error line
+(exit 2) at once, and nothing else can take the port meanwhile; a connection made while
+the model loads waits until the server serves (/health answers 200 from then on). A
+request body over --max_request_bytes gets 413 before it is read whole.
+
+SIGTERM (or Ctrl-C) drains: the listener keeps accepting, /health answers 503 and every
+new /v1 request gets 503 (OpenAI's error JSON, Retry-After), while the running requests go
+on for up to --grace_period_s seconds. Those still running then are ended by the engine:
+a stream gets a last chunk with finish_reason "abort" (vLLM's) and `data: [DONE]`, a
+whole response a 503 saying the server is shutting down. Then the listener closes and the
+process exits 0 (at once when no request is running). A second Ctrl-C stops waiting.
 
 --api_key=KEY (or the environment variable GPT_OSS_TRAIN_API_KEY when the flag is not
 given; the variable keeps the key out of `ps`): every /v1/* request must send
@@ -29,8 +39,10 @@ request uses that adapter. --adapter=NAME=DIR,...: a request picks one by sendin
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
+import socket
 
 from absl import app, flags, logging
 
@@ -39,6 +51,12 @@ from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.loading import DecodeError
 
 DEFAULT_MAX_CONTEXT = 4096  # positions per slot without --max_context, if the model has them
+# A full 131072-position context is about 1 MiB as JSON token ids, under 1 MiB as typical
+# text (6 MiB even if every character were \u-escaped): 16 MiB takes any request that fits
+# the model, with room for a batch of prompts, and keeps one client from making the server
+# buffer gigabytes.
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
 API_KEY_ENV = "GPT_OSS_TRAIN_API_KEY"
 
 
@@ -90,7 +108,19 @@ def _define_flags():
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype.")
     flags.DEFINE_bool("int8_weights", False, "int8 weight-only quantized matmuls.")
     flags.DEFINE_bool("int8_kv_cache", False, "int8 KV cache.")
-    flags.DEFINE_float("grace_period_s", 30.0, "On SIGTERM: how long running requests may go on.")
+    flags.DEFINE_integer(
+        "max_request_bytes",
+        DEFAULT_MAX_REQUEST_BYTES,
+        "Largest request body, in bytes; a larger one gets 413 before it is read whole. The "
+        "default (16 MiB) is many times a full 131072-token context as JSON (about 1 MiB), "
+        "and bounds the memory one request can make the server hold.",
+    )
+    flags.DEFINE_float(
+        "grace_period_s",
+        30.0,
+        "On SIGTERM: how long running requests may go on (new ones get 503 meanwhile); "
+        'those still running then end (a stream with finish_reason "abort", else 503).',
+    )
     flags.DEFINE_bool("access_log", False, "Log every HTTP request.")
 
 
@@ -102,6 +132,38 @@ def _check_flags(f) -> None:
             raise DecodeError(f"--{name} must be >= 1, got {f[name].value}")
     if f.max_queue < 0 or f.grace_period_s < 0:
         raise DecodeError("--max_queue and --grace_period_s must be >= 0")
+    if f.max_request_bytes < 1:
+        raise DecodeError(f"--max_request_bytes must be >= 1, got {f.max_request_bytes}")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening, made before the model loads: a port in
+    use is one line (DecodeError, exit 2) at once rather than after minutes of loading, and
+    uvicorn serves this very socket, so no other process can take the port in between."""
+    name = host.strip("[]") or None  # "": every interface
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise DecodeError(f"--host={host}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # as uvicorn does: a restart need not wait for the last run's closed connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise DecodeError(
+                f"--port={port}: address already in use (on {host or 'every interface'}); "
+                "stop what listens there or give another --port"
+            ) from None
+        raise DecodeError(
+            f"--host={host} --port={port}: cannot listen there ({e.strerror})"
+        ) from None
+    return sock
 
 
 def choose_max_context(flag: int | None, model_positions: int) -> tuple[int, str]:
@@ -162,15 +224,26 @@ def _engine(f, adapters, positions: int):
     return Engine.from_checkpoint(f.checkpoint, **kw)
 
 
-def serve(app_, host: str, port: int, grace_s: float, access_log: bool = False) -> None:
-    """Run the app until SIGTERM / SIGINT; returns once running requests are done (or the
-    grace period is over)."""
+def serve(app_, sock: socket.socket, grace_s: float, access_log: bool = False) -> None:
+    """Run the app on the listening socket `sock` until SIGTERM / SIGINT, then drain
+    (inference/server/drain.py) for up to `grace_s` seconds with the listener still
+    accepting; returns once every request has had its answer."""
     import uvicorn
+
+    from gpt_oss_train.inference.server.drain import FINISH_S
+
+    drain, engine = app_.state.drain, app_.state.server.engine
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            app_.state.shutting_down = True  # /health says so while requests finish
+            drain.begin(grace_s)  # /health and new /v1 requests: 503 from now on
             super().handle_exit(sig, frame)
+
+        async def main_loop(self):
+            await super().main_loop()  # until SIGTERM / SIGINT
+            # uvicorn would now close the listener, wait grace_s, and cancel the running
+            # requests mid-response; instead they finish (or the engine ends them) first.
+            await drain.finish(engine, forced=lambda: self.force_exit)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -182,19 +255,16 @@ def serve(app_, host: str, port: int, grace_s: float, access_log: bool = False) 
 
     config = uvicorn.Config(
         app_,
-        host=host,
-        port=port,
-        timeout_graceful_shutdown=grace_s,
+        timeout_graceful_shutdown=FINISH_S,  # after the drain: answers already sent
         access_log=access_log,
         log_level="info",
         lifespan="off",
     )
-    Server(config).run()
+    Server(config).run(sockets=[sock])
 
 
 def _run(f) -> int:
     from gpt_oss_train.inference import adapters as adapters_lib
-    from gpt_oss_train.inference.server.app import create_app
 
     _check_flags(f)
     key = choose_api_key(f.api_key)
@@ -214,6 +284,16 @@ def _run(f) -> int:
             f"--adapter: {name!r} is also the served model's name (the base); rename the "
             "adapter or pass --served_model_name"
         )
+    sock = listen(f.host, f.port)  # before the model loads
+    try:
+        return _load_and_serve(f, adapters, positions, arch["vocab_size"], name, key, sock)
+    finally:
+        sock.close()
+
+
+def _load_and_serve(f, adapters, positions: int, vocab: int, name: str, key, sock) -> int:
+    from gpt_oss_train.inference.server.app import create_app
+
     eng = _engine(f, adapters, positions)
     eng.start()
     app_ = create_app(
@@ -221,16 +301,19 @@ def _run(f) -> int:
         tokenizer=loading.tokenizer(),
         model_name=name,
         max_context=positions,
-        vocab_size=arch["vocab_size"],
+        vocab_size=vocab,
         api_key=key,
+        max_request_bytes=f.max_request_bytes,
     )
     served = ", ".join((name, *eng.adapters))
-    logging.info("Serving %s at http://%s:%d/v1", served, f.host, f.port)
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    logging.info("Serving %s at http://%s:%d/v1", served, host, port)
     if key:
         source = "--api_key" if f.api_key else f"${API_KEY_ENV}"
         logging.info("/v1/* requires the API key of %s", source)
     try:
-        serve(app_, f.host, f.port, f.grace_period_s, f.access_log)
+        serve(app_, sock, f.grace_period_s, f.access_log)
     finally:
         eng.stop(0.0)
     logging.info("Server stopped")

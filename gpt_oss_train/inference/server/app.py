@@ -4,13 +4,16 @@
     POST /v1/completions        completion_routes.py
     GET  /v1/models             the served model, then each LoRA adapter (a request
                                 names one as its "model" to generate with it)
-    GET  /health                200 while serving, 503 once shutting down
+    GET  /health                200 while serving, 503 once draining (drain.py)
     GET  /metrics               Prometheus text (metrics.py)
 
 `create_app(engine, ...)` takes a started engine; `serve.py` makes one from flags and runs
 the app under uvicorn. With `api_key`, every /v1/* request must send
-`Authorization: Bearer <api_key>` or gets 401 (OpenAI's error, code "invalid_api_key");
-/health and /metrics stay open, for load balancers and Prometheus.
+`Authorization: Bearer <api_key>` (the scheme in any case, as RFC 7235 has it; the key
+exactly) or gets 401 (OpenAI's error, code "invalid_api_key"); /health and /metrics stay
+open, for load balancers and Prometheus. With `max_request_bytes`, a larger body gets 413
+before it is read whole (body_limit.py). `app.state.drain` (drain.py) is what serve.py
+drains on SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from gpt_oss_train.inference.server import chat_routes, completion_routes, errors
+from gpt_oss_train.inference.server.body_limit import BodyLimit
+from gpt_oss_train.inference.server.drain import Drain, DrainGate, is_api
 from gpt_oss_train.inference.server.generation import ServerState
 from gpt_oss_train.inference.server.metrics import CONTENT_TYPE, Metrics
 
@@ -37,19 +42,25 @@ def _count_requests(app: FastAPI, metrics: Metrics) -> None:
         return response
 
 
+def key_matches(sent: str, expected: bytes) -> bool:
+    """Whether an Authorization header is `Bearer <expected>`: the scheme in any case
+    (RFC 7235), then one space and the key, compared in constant time, so the answer's
+    timing does not tell how much of a guess was right."""
+    scheme, _, key = sent.partition(" ")
+    # Starlette decodes headers as latin-1: encoding back gives the bytes sent.
+    same = hmac.compare_digest(key.encode("latin-1"), expected)
+    return scheme.lower() == "bearer" and same
+
+
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """401 for a /v1/* request without `Authorization: Bearer <api_key>`. The header is
-    compared in constant time, so the answer's timing does not tell how much of a guess
-    was right."""
-    expected = f"Bearer {api_key}".encode()
+    """401 for a /v1/* request without `Authorization: Bearer <api_key>`."""
+    expected = api_key.encode()
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        path = request.url.path
-        if path == "/v1" or path.startswith("/v1/"):
+        if is_api(request.url.path):
             sent = request.headers.get("authorization")
-            # Starlette decodes headers as latin-1: encoding back gives the bytes sent.
-            if sent is None or not hmac.compare_digest(sent.encode("latin-1"), expected):
+            if sent is None or not key_matches(sent, expected):
                 return errors.unauthorized(missing=sent is None).response()
         return await call_next(request)
 
@@ -62,19 +73,26 @@ def create_app(
     max_context: int,
     vocab_size: int,
     api_key: str | None = None,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The app over a started engine; `api_key` (None or "": none) guards /v1/*."""
+    """The app over a started engine; `api_key` (None or "": none) guards /v1/*;
+    `max_request_bytes` (None: no limit) bounds every request's body."""
     metrics = Metrics(engine.stats)
     state = ServerState(
         engine, tokenizer, model_name, max_context, vocab_size, metrics, adapters=engine.adapters
     )
     app = FastAPI(title="gpt_oss_train", docs_url=None, redoc_url=None)
     app.state.server = state
-    app.state.shutting_down = False
+    app.state.drain = drain = Drain()
     errors.install(app)
+    # The last added runs first: counting, then the body limit and the drain's refusals,
+    # then the key; so 401s, 413s and 503s are counted too.
     if api_key:
         _require_api_key(app, api_key)
-    _count_requests(app, metrics)  # added last, so it runs first: 401s are counted too
+    app.add_middleware(DrainGate, drain=drain)
+    if max_request_bytes is not None:
+        app.add_middleware(BodyLimit, limit=max_request_bytes)
+    _count_requests(app, metrics)
     chat_routes.register(app, state)
     completion_routes.register(app, state)
 
@@ -95,7 +113,7 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        if app.state.shutting_down:
+        if drain.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 

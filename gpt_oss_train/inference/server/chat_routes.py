@@ -6,7 +6,7 @@ import time
 
 from fastapi import FastAPI, Request
 
-from gpt_oss_train.inference.server import chat_format, generation
+from gpt_oss_train.inference.server import chat_format, errors, generation
 from gpt_oss_train.inference.server.errors import APIError
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
 from gpt_oss_train.inference.server.harmony_stream import ChatStream, Delta
@@ -56,6 +56,8 @@ class _Choice:
         return deltas
 
     def _reason(self, engine_reason: str | None) -> str:
+        if engine_reason == "cancelled" and not self.stream.stopped:
+            return generation.ABORT  # ended by the engine (the server's shutdown)
         if self.stream.tool_calls and not self.stream.stopped and engine_reason == "stop":
             return "tool_calls"
         return "length" if engine_reason == "length" and not self.stream.stopped else "stop"
@@ -158,6 +160,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         start = time.perf_counter()
         adapter = generation.check_model(state, req.model)
+        generation.check_capacity(state, req.n, f"n={req.n}", "n")
         texts = chat_format.prompt_texts(req)
         generation.check_text_length(state, texts, req.token_limit(), "max_tokens", "messages")
         prompt = chat_format.prompt_ids(req, state.tokenizer)
@@ -169,4 +172,6 @@ def register(app: FastAPI, state: ServerState) -> None:
             )
         work = _run(state, req, prompt, handles, start)
         choices = await generation.unless_disconnected(request, work, handles)
+        if any(c.finish == generation.ABORT for c in choices):
+            raise errors.shutting_down(1.0, ended=True)
         return _response(state, req, rid, prompt, choices)

@@ -12,7 +12,7 @@ import time
 
 from fastapi import FastAPI, Request
 
-from gpt_oss_train.inference.server import generation, prompt_logprobs
+from gpt_oss_train.inference.server import errors, generation, prompt_logprobs
 from gpt_oss_train.inference.server.errors import APIError, bad_request
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
 from gpt_oss_train.inference.server.schemas import CompletionRequest
@@ -91,9 +91,17 @@ class _Choice:
                 raise APIError(500, "The engine failed while generating this request.")
             if not self.stop.stopped:
                 new += self.stop.push(self.detok.flush())[0] + self.stop.flush()
-            self.finish = "length" if ev.finish_reason == "length" else "stop"
+            self.finish = _finish_reason(ev.finish_reason, self.stop.stopped)
         self.text += new
         return new
+
+
+def _finish_reason(engine_reason: str | None, stop_string: bool) -> str:
+    if stop_string:
+        return "stop"
+    if engine_reason == "cancelled":  # ended by the engine (the server's shutdown)
+        return generation.ABORT
+    return "length" if engine_reason == "length" else "stop"
 
 
 def _score(state, prompt: list[int], k: int, adapter: str | None):
@@ -205,7 +213,12 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def completions(req: CompletionRequest, request: Request):
         start = time.perf_counter()
         adapter = generation.check_model(state, req.model)
-        prompts = [_prompt_ids(state, p, i, req.max_tokens) for i, p in enumerate(req.prompts())]
+        raw = req.prompts()
+        if req.max_tokens:
+            many = f"{len(raw)} prompt(s) x n={req.n}"
+            param = "prompt" if len(raw) > 1 else "n"
+            generation.check_capacity(state, len(raw) * req.n, many, param)
+        prompts = [_prompt_ids(state, p, i, req.max_tokens) for i, p in enumerate(raw)]
         params = _params(state, req, prompts, adapter) if req.max_tokens else []
         scores = await _prompt_scores(state, req, prompts, adapter)
         choices = [_Choice(req, p) for p in prompts for _ in range(req.n)]
@@ -219,6 +232,8 @@ def register(app: FastAPI, state: ServerState) -> None:
             await generation.unless_disconnected(
                 request, _run(state, handles, choices, start), handles
             )
+        if any(c.finish == generation.ABORT for c in choices):
+            raise errors.shutting_down(1.0, ended=True)
         for c in choices:
             c.finish = c.finish or "length"
         return {

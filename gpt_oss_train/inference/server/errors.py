@@ -3,12 +3,13 @@
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
 400 for a request that can never run as written (malformed JSON, unknown or invalid
-fields, a prompt longer than the context), 401 without the server's API key, 404 for an
-unknown model, 429 / 503 with a `Retry-After` header when the engine's queue is full or it
-is shutting down. Anything unexpected becomes a 500 for that request alone: the server
-keeps serving the rest. Errors FastAPI and Starlette raise themselves (a body too deeply
-nested to parse, an unknown path, a wrong method) get the same shape, never their
-`{"detail": ...}`.
+fields, a prompt longer than the context, more completions than the engine ever holds),
+401 without the server's API key, 404 for an unknown model, 413 for a body over
+--max_request_bytes, 429 / 503 with a `Retry-After` header when the engine's queue is full
+or the server is shutting down (a request the shutdown ended unfinished included).
+Anything unexpected becomes a 500 for that request alone: the server keeps serving the
+rest. Errors FastAPI and Starlette raise themselves (a body too deeply nested to parse, an
+unknown path, a wrong method) get the same shape, never their `{"detail": ...}`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",  # as OpenAI's, with code "invalid_api_key"
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -83,6 +85,22 @@ def unauthorized(missing: bool) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+SHUTTING_DOWN = "server_shutting_down"  # the code of a 503 the shutdown causes
+
+
+def shutting_down(retry_after_s: float, ended: bool = False) -> APIError:
+    """503 while the server drains after SIGTERM: a new request is refused, or (`ended`)
+    one still running when the grace period ran out was ended unfinished."""
+    if ended:
+        message = (
+            "The server is shutting down: this request was still running when its grace "
+            "period ended and was stopped unfinished. Send it again."
+        )
+    else:
+        message = "The server is shutting down and takes no new requests. Send it elsewhere."
+    return APIError(503, message, code=SHUTTING_DOWN, retry_after_s=retry_after_s)
+
+
 def from_rejection(e: Exception) -> APIError:
     """The engine's RequestRejected (status 400 / 429 / 503, retry_after_s) as an APIError."""
     status = int(getattr(e, "status", 400))
@@ -110,8 +128,16 @@ def _from_http_exception(e: HTTPException) -> APIError:
     """FastAPI's own refusals (its body parser's 400, 404 for a path, 405 for a method)."""
     if isinstance(e.__cause__, RecursionError):  # json.loads on a body nested too deeply
         return bad_request("The body is nested too deeply to parse as JSON.")
+    if isinstance(e.__cause__, BaseExceptionGroup):
+        # An HTTPException raised while the body was read (body_limit.py's 413), wrapped
+        # by a BaseHTTPMiddleware's task group, which FastAPI then calls a parse error.
+        inner, _ = e.__cause__.split(HTTPException)
+        while isinstance(inner, BaseExceptionGroup):
+            inner = inner.exceptions[0]
+        if inner is not None:
+            e = inner
     detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
-    return APIError(e.status_code, detail, headers=e.headers)
+    return APIError(e.status_code, detail, code=getattr(e, "code", None), headers=e.headers)
 
 
 def install(app: FastAPI) -> None:

@@ -3,7 +3,9 @@ one engine request per choice, merging their token streams, noticing a client th
 away, and server-sent events.
 
 A client that disconnects (or a stream the client closes) cancels its engine requests, so
-their decode slots free within a step; the engine never works for nobody.
+their decode slots free within a step; the engine never works for nobody. A request the
+engine itself ends (finish reason "cancelled": the server's shutdown, drain.py) finishes
+with reason ABORT when streamed, as vLLM's do, and as a 503 when whole.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class ServerState:
     def model_names(self) -> tuple[str, ...]:
         """What "model" may be: the served model, then each adapter."""
         return (self.model_name, *self.adapters)
+
+
+# The finish_reason of a choice the engine ended unfinished (its "cancelled"): vLLM's word.
+ABORT = "abort"
 
 
 def has_token(ev) -> bool:
@@ -105,6 +111,22 @@ def check_text_length(
             f"asked for. Shorten the prompt or lower {param}.",
             param=param if least < state.max_context else prompt_param,
             code="context_length_exceeded",
+        )
+
+
+def check_capacity(state: ServerState, count: int, what: str, param: str) -> None:
+    """Refuse (400) a request of more engine requests (`count`: prompts x n) than the
+    engine ever holds at once, running and waiting: it could never be queued, so the 429
+    a full queue gets (try again later) would mislead."""
+    opts = state.engine.opts
+    most = opts.max_slots + opts.max_queue
+    if count > most:
+        raise APIError(
+            400,
+            f"This request asks for {count} completions ({what}); this server takes at most "
+            f"{most} at once ({opts.max_slots} decoding + {opts.max_queue} waiting). Send at "
+            f"most {most} per request.",
+            param=param,
         )
 
 

@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 from absl import logging
 
-from gpt_oss_train import sharding
+from gpt_oss_train import errors, sharding
 
 EXIT_PEER_LOST = 3  # a peer process ended: this one cannot go on without it
 CONNECT_TIMEOUT_S = 300  # as jax.distributed's initialization timeout
@@ -126,6 +126,24 @@ class Link:
             self.send(payload)
             return payload
         return self.receive()
+
+    def agree(self, check: Callable[[], object]):
+        """check() on process 0, its UserError raised on every process (the others would
+        otherwise wait for process 0 forever); returns check()'s result on process 0,
+        None elsewhere. For what only process 0 touches: its input file, its port."""
+        result, error = None, None
+        if self.leader:
+            try:
+                result = check()
+            except errors.UserError as e:
+                error = e
+        if self.multihost:
+            message = self.share(str(error).encode() if error else b"")
+            if message and error is None:
+                raise errors.UserError(message.decode())
+        if error is not None:
+            raise error
+        return result
 
     def on_lost(self, callback: Callable[[int], None]) -> None:
         """callback(index of the lost process), run before this process exits for it."""

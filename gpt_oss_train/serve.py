@@ -42,11 +42,13 @@ import contextlib
 import errno
 import ipaddress
 import os
+import signal
 import socket
+import time
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, runtime, sharding
+from gpt_oss_train import errors, hosts, runtime, sharding
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.loading import DecodeError
 
@@ -58,6 +60,7 @@ DEFAULT_MAX_CONTEXT = 4096  # positions per slot without --max_context, if the m
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
 API_KEY_ENV = "GPT_OSS_TRAIN_API_KEY"
+PEER_LOST_LINGER_S = 2.0  # /health says 503 this long before a lost peer ends process 0
 
 
 def get_config():
@@ -204,10 +207,11 @@ def open_host_warning(host: str, key: str | None) -> str | None:
     )
 
 
-def _engine(f, adapters, positions: int):
+def _engine(f, adapters, positions: int, link: hosts.Link):
     from gpt_oss_train.inference.engine import Engine
 
     kw = dict(
+        link=link,
         adapters=adapters,
         config=f["config"].value,
         dtype=f.dtype,
@@ -263,7 +267,9 @@ def serve(app_, sock: socket.socket, grace_s: float, access_log: bool = False) -
     Server(config).run(sockets=[sock])
 
 
-def _run(f) -> int:
+def _run(f, link: hosts.Link) -> int:
+    """Process 0 binds the port, takes the requests and schedules the engine; every other
+    process loads its shards of the same model and runs process 0's rounds with it."""
     from gpt_oss_train.inference import adapters as adapters_lib
 
     _check_flags(f)
@@ -284,17 +290,35 @@ def _run(f) -> int:
             f"--adapter: {name!r} is also the served model's name (the base); rename the "
             "adapter or pass --served_model_name"
         )
-    sock = listen(f.host, f.port)  # before the model loads
+    sock = link.agree(lambda: listen(f.host, f.port))  # before the model loads
     try:
-        return _load_and_serve(f, adapters, positions, arch["vocab_size"], name, key, sock)
+        if not link.leader:
+            return _follow(_engine(f, adapters, positions, link))
+        return _load_and_serve(f, adapters, positions, arch["vocab_size"], name, key, sock, link)
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
 
 
-def _load_and_serve(f, adapters, positions: int, vocab: int, name: str, key, sock) -> int:
+def _follow(eng) -> int:
+    """A process other than 0: runs process 0's rounds until process 0 closes the link
+    (it has drained and stopped). SIGTERM is process 0's to act on: the launcher sends it
+    to every process, and this one goes on until process 0 has drained."""
+    signal.signal(
+        signal.SIGTERM,
+        lambda *_: logging.info("SIGTERM: following process 0 until it has drained"),
+    )
+    eng.follow()
+    logging.info("Server stopped (process 0 closed the link)")
+    return 0
+
+
+def _load_and_serve(f, adapters, positions, vocab: int, name: str, key, sock, link) -> int:
     from gpt_oss_train.inference.server.app import create_app
 
-    eng = _engine(f, adapters, positions)
+    eng = _engine(f, adapters, positions, link)
+    # While a peer is gone /health says 503, for the moment before this process exits.
+    link.on_lost(lambda _: time.sleep(PEER_LOST_LINGER_S))
     eng.start()
     app_ = create_app(
         eng,
@@ -321,8 +345,10 @@ def _load_and_serve(f, adapters, positions: int, vocab: int, name: str, key, soc
 
 
 def main(argv):
-    runtime.setup_process(sharding.platform())
-    return errors.run_command(lambda: _run(flags.FLAGS), argv)
+    link = hosts.join()  # before anything asks JAX for its devices
+    with link:
+        runtime.setup_process(sharding.platform())
+        return errors.run_command(lambda: _run(flags.FLAGS, link), argv)
 
 
 def run():

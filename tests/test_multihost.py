@@ -11,8 +11,13 @@ with the same rewards and losses.
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -133,3 +138,149 @@ def test_grpo_on_two_processes_gives_one_process_rewards_and_losses(tmp_path):
         assert per_step[2][step][0] == pytest.approx(reward, abs=1e-5), step
         assert per_step[2][step][1] == pytest.approx(loss, abs=1e-5), step
     assert len({r for r, _ in per_step[1].values()}) > 1  # the rewards change: not constant
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, procs, timeout_s: float = 400) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        assert all(p.poll() is None for p in procs), "a server process ended while starting"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    pytest.fail("the 2-process server did not become healthy")
+
+
+def _serve_flags(checkpoint: str, port: int) -> list[str]:
+    return ["gpt_oss_train.serve", f"--checkpoint={checkpoint}", f"--port={port}",
+            "--dtype=float32", "--max_slots=4", "--max_context=512", "--prefill_chunk=64",
+            "--served_model_name=tiny-harmony", "--grace_period_s=20"]  # fmt: skip
+
+
+def test_serve_on_two_processes_through_the_openai_client(tmp_path, harmony_checkpoint):
+    """Process 0 takes HTTP, the rounds run on both: the memorised replies of the Harmony
+    model (what one process generates: tests/harmony_model.py checks it) come back whole
+    and streamed, echo's prompt log-probs equal decode's, a storm of clients that hang up
+    leaves every slot free, and SIGTERM to the launcher ends both processes with 0."""
+    openai = pytest.importorskip("openai")
+    hm = pytest.importorskip("harmony_model")
+    from gpt_oss_train.io import tokenizer as tok_lib
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", DEVICES_PER_PROCESS="4")
+    log = open(tmp_path / "serve.log", "w+")
+    cmd = ["bash", os.path.join(ROOT, "launch", "local.sh"), "2", sys.executable, "-m",
+           *_serve_flags(harmony_checkpoint, port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _wait_healthy(url, [proc])
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        encoded = hm.encoded_examples(tok_lib.Tokenizer())
+        for i, (prompt, tools, effort, reply) in enumerate(hm.EXAMPLES[:2]):
+            whole = client.chat.completions.create(
+                model="tiny-harmony", messages=prompt, reasoning_effort=effort, temperature=0,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            choice = whole.choices[0]
+            assert choice.message.content == reply[-1]["content"], choice
+            assert (choice.model_extra or {}).get("token_ids") == encoded[i][1]
+            stream = client.chat.completions.create(
+                model="tiny-harmony", messages=prompt, reasoning_effort=effort, temperature=0,
+                stream=True,
+            )  # fmt: skip
+            content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert content == reply[-1]["content"]
+        # echo: the prompt's log-probs, run in the engine's rounds on both processes
+        ids = encoded[0][0][:24]
+        echo = client.completions.create(model="tiny-harmony", prompt=ids, max_tokens=1,
+                                         temperature=0, echo=True, logprobs=2)  # fmt: skip
+        served = echo.choices[0].logprobs.token_logprobs[1 : len(ids)]
+        from gpt_oss_train.inference import loading, scoring
+
+        model = loading.load_model(harmony_checkpoint, dtype="float32")  # one process, 8
+        want = scoring.score_batch(model, scoring.job(model, "score"), [tuple(ids)], rows=1)
+        np.testing.assert_allclose(served, want[0], rtol=1e-5, atol=1e-5)
+
+        def hang_up(i):  # a stream read a little, then closed
+            stream = client.completions.create(
+                model="tiny-harmony",
+                prompt=ids[: 8 + i],
+                max_tokens=300,
+                temperature=0,
+                stream=True,
+            )
+            for n, _ in enumerate(stream):
+                if n == 2:
+                    break
+            stream.close()
+
+        threads = [threading.Thread(target=hang_up, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        deadline, gauges = time.time() + 30, {}
+        while time.time() < deadline:
+            text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+            wanted = ("gpt_oss_running_slots", "gpt_oss_queue_depth")
+            gauges = dict(line.split() for line in text.splitlines() if line.startswith(wanted))
+            if gauges and all(float(v) == 0 for v in gauges.values()):
+                break
+            time.sleep(0.5)
+        assert gauges and all(float(v) == 0 for v in gauges.values()), gauges
+        again = client.chat.completions.create(model="tiny-harmony", messages=hm.EXAMPLES[0][0],
+                                               reasoning_effort="low", temperature=0)  # fmt: skip
+        assert again.choices[0].message.content == hm.EXAMPLES[0][3][-1]["content"]
+        t0 = time.time()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        assert time.time() - t0 < 90
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log.seek(0)
+    out = log.read()
+    assert "[0] " in out and "Server stopped (process 0 closed the link)" in out, out[-4000:]
+    assert "Traceback" not in out, out[-6000:]
+
+
+def test_a_killed_peer_ends_the_other_within_60_s(tiny_checkpoint, tmp_path):
+    """Two processes started as a pod starts them (no launcher to clean up): the follower
+    is SIGKILLed; process 0 exits 3 on its own, with one line naming it."""
+    port, coordinator = _free_port(), _free_port()
+    procs, logs = [], []
+    for i in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_PROCESS_COUNT="2", JAX_PROCESS_ID=str(i),
+                   JAX_COORDINATOR_ADDRESS=f"localhost:{coordinator}", PYTHONUNBUFFERED="1",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4")  # fmt: skip
+        logs.append(open(tmp_path / f"{i}.log", "w+"))
+        flags = _serve_flags(tiny_checkpoint, port)[:-1] + ["--max_context=64", "--max_slots=2"]
+        procs.append(subprocess.Popen([sys.executable, "-m", *flags], cwd=ROOT, env=env,
+                                      stdout=logs[i], stderr=subprocess.STDOUT))  # fmt: skip
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", procs)
+        procs[1].kill()
+        t0 = time.time()
+        assert procs[0].wait(timeout=60) == 3
+        assert time.time() - t0 < 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs[0].seek(0)
+    out = logs[0].read()
+    assert "process 1 of 2 is gone" in out, out[-3000:]

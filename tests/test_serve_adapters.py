@@ -151,8 +151,8 @@ def test_an_adapter_that_is_not_loaded_is_refused(engine):
 
 def test_scores_under_an_adapter_equal_decode_with_that_adapter(engine, folders):
     """engine.score (decode --mode=score's numbers) and the echo's top alternatives
-    (prompt_logprobs) under stacked adapter b equal a model carrying only b."""
-    from gpt_oss_train.inference.server import prompt_logprobs
+    (scoring.top_logprobs) under stacked adapter b equal a model carrying only b."""
+    from gpt_oss_train.inference import scoring
 
     ids = PROMPTS[2]
     line = (json.dumps({"tokens": ids}) + "\n").encode()
@@ -160,8 +160,8 @@ def test_scores_under_an_adapter_equal_decode_with_that_adapter(engine, folders)
     ref = requests.run_score(model, line, DECODE)[0]["logprobs"]
     np.testing.assert_allclose(engine.score(ids, adapter="b"), ref, atol=1e-4)
     assert np.abs(np.subtract(engine.score(ids), ref)).max() > 1e-3  # the base differs
-    top = prompt_logprobs.top_logprobs(engine.model, ids, 3, engine.adapter_slot("b"))
-    top_ref = prompt_logprobs.top_logprobs(model, ids, 3)
+    top = engine.top_logprobs(ids, 3, "b")
+    top_ref = scoring.top_logprobs(model, ids, 3)
     assert [[t for t, _ in row] for row in top] == [[t for t, _ in row] for row in top_ref]
     np.testing.assert_allclose(
         [[v for _, v in row] for row in top], [[v for _, v in row] for row in top_ref], atol=1e-4

@@ -207,20 +207,6 @@ def _check_files(f) -> None:
         raise DecodeError(f"--output={f.output}: its folder does not exist")
 
 
-def _agree(link: hosts.Link, check) -> None:
-    """Runs check() on process 0 and raises its DecodeError on every process (the others
-    would otherwise wait for process 0's input forever)."""
-    message = b""
-    if link.leader:
-        try:
-            check()
-        except DecodeError as e:
-            message = str(e).encode()
-    message = link.share(message)
-    if message:
-        raise DecodeError(message.decode())
-
-
 def _write_jsonl(records: list[dict], path: str | None):
     text = "".join(
         json.dumps(requests.json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
@@ -237,7 +223,7 @@ def _run(f, link: hosts.Link) -> int:
     """Every process runs the same program on the global mesh; process 0 alone reads
     --input (and sends it to the others) and writes the output."""
     opts = _check_flags(f)
-    _agree(link, lambda: _check_files(f))
+    link.agree(lambda: _check_files(f))
     if link.multihost and (f.compare_hf or f.mode == "chat"):
         raise DecodeError(
             "--compare_hf and --mode=chat run in one process (transformers and a terminal "

@@ -19,6 +19,7 @@ from absl import logging
 
 from gpt_oss_train import sharding
 from gpt_oss_train.errors import json_error
+from gpt_oss_train.inference import scoring
 from gpt_oss_train.inference.adapters import UnknownAdapter, adapter_slot
 from gpt_oss_train.inference.generate import Generator, cache_length
 from gpt_oss_train.inference.loading import (
@@ -33,7 +34,7 @@ from gpt_oss_train.inference.loading import (
     stop_slots,
     tokenizer,
 )
-from gpt_oss_train.inference.scoring import score_batch, score_fn
+from gpt_oss_train.inference.scoring import score_batch
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import evaluate as evaluate_lib
@@ -310,7 +311,7 @@ def run_score(model: LoadedModel, data: bytes, opts: Options) -> list[dict]:
     parse = lambda i, raw: parse_score_line(raw, vocab_size=vocab, limit=limit)
     results, todo = _parse_lines(data, parse)
     todo.sort(key=lambda x: len(x[1]))
-    fn = model.kept("scorer", lambda: score_fn(model))
+    fn = scoring.job(model, "score")
     for start in range(0, len(todo), opts.batch_size):
         batch = todo[start : start + opts.batch_size]
         rows = batch_rows(len(batch), opts.batch_size)

@@ -417,15 +417,30 @@ class Engine:
                 f"scoring needs 2 to {self.max_context} token ids in [0, {vocab}), got {len(ids)}",
                 400,
             )
-        if self.link.multihost:  # every device call goes through the rounds
-            done = queue.Queue(maxsize=1)
-            self._loop.add_job(scoring.score_inputs([ids], rows=1, adapter=slot), done.put)
-            logp = done.get()
-            if logp is None:
-                self._reject("the engine stopped before scoring the prompt", 503)
-            return scoring.unpad(logp, [ids])[0].tolist()
-        fn = self.model.kept("scorer", lambda: scoring.score_fn(self.model))
-        return scoring.score_batch(self.model, fn, [ids], rows=1, adapter=slot)[0].tolist()
+        logp = self._job("score", scoring.score_inputs([ids], rows=1, adapter=slot))
+        return scoring.unpad(logp, [ids])[0].tolist()
+
+    def top_logprobs(
+        self, prompt: Sequence[int], k: int, adapter: str | None = None
+    ) -> list[list[tuple[int, float]]]:
+        """For i in [0, n-1): the k most likely (id, logprob) after prompt[:i+1] (the
+        server's echo with logprobs=k), under `adapter`; as score, beside the loop."""
+        ids = list(prompt)
+        inputs = scoring.top_inputs(ids, self.adapter_slot(adapter))
+        return scoring.top_unpack(self._job("top", inputs), len(ids), k)
+
+    def _job(self, op: str, inputs: tuple):
+        """scoring.JOBS[op] on `inputs`: here, or on several processes in the loop's next
+        round (every device call of a multi-host engine goes through the rounds)."""
+        if not self.link.multihost:
+            with self.model.scope():
+                return jax.device_get(scoring.job(self.model, op)(self.model.params, *inputs))
+        done = queue.Queue(maxsize=1)
+        self._loop.add_job(op, inputs, done.put)
+        out = done.get()
+        if out is None:
+            self._reject("the engine stopped before it could run the request", 503)
+        return out
 
     def stats(self) -> dict:
         """Counters since start-up (EngineStats.COUNTERS), gauges (queue_depth, running,

@@ -71,8 +71,8 @@ class EngineLoop:
         self.queue: collections.deque[tuple[RequestHandle, RequestParams, int, int]] = (
             collections.deque()
         )
-        # Scoring calls to run in the next round (a multi-host engine's, whose every
-        # device call goes through the rounds): (score_fn's inputs, take(log-probs or None)).
+        # Calls of scoring.JOBS to run in the next round (a multi-host engine's, whose
+        # every device call goes through the rounds): (op, inputs, take(output or None)).
         self.jobs: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.stats = EngineStats()
@@ -100,14 +100,14 @@ class EngineLoop:
             self.queue.append((handle, params, seed, adapter))
             self.cond.notify_all()
 
-    def add_job(self, inputs: tuple, take) -> None:
-        """Queues a scoring call for the next round; take(log-probs) gets its output,
-        take(None) if the engine ends first."""
+    def add_job(self, op: str, inputs: tuple, take) -> None:
+        """Queues a call of scoring.JOBS[op] for the next round; take(output) gets its
+        output on the host, take(None) if the engine ends first."""
         with self.cond:
             if self.shutdown or self.dead is not None:
                 take(None)
                 return
-            self.jobs.append((inputs, take))
+            self.jobs.append((op, inputs, take))
             self.cond.notify_all()
 
     def reject(self, message: str, status: int, retry_after_s: float | None = None):
@@ -195,8 +195,8 @@ class EngineLoop:
             self._plan_decode(plan, decoding)
         with self.cond:
             jobs, self.jobs = list(self.jobs), collections.deque()
-        for inputs, take in jobs:
-            plan.add("score", [], *inputs, take=take)
+        for op, inputs, take in jobs:
+            plan.add(op, [], *inputs, take=take)
         if not plan.calls:
             return False
         self._run(plan)
@@ -248,10 +248,8 @@ class EngineLoop:
                 self.pool = s.save(self.pool, self.cache, *c.args)
             elif c.op == "decode":
                 out, self.cache = s.decode(p, self.cache, *c.args, **c.static)
-            elif c.op == "score":
-                out = self.model.kept("scorer", lambda m=self.model: scoring.score_fn(m))(
-                    p, *c.args
-                )
+            elif c.op in scoring.JOBS:
+                out = scoring.job(self.model, c.op)(p, *c.args)
             else:
                 raise ValueError(f"unknown engine operation {c.op!r}")
             outs.append(out)
@@ -407,7 +405,7 @@ class EngineLoop:
         with self.cond:
             queued, self.queue = list(self.queue), collections.deque()
             jobs, self.jobs = list(self.jobs), collections.deque()
-        for _, take in jobs:
+        for *_, take in jobs:
             take(None)
         for q in queued:
             self.end(q, reason, error=error)

@@ -23,7 +23,7 @@ import numpy as np
 
 from gpt_oss_train.inference.sampling import SamplingRows
 
-OPS = ("admit", "prefill", "save", "decode", "score")
+OPS = ("admit", "prefill", "save", "decode", "score", "top")
 _LENGTH = struct.Struct("!I")
 
 

@@ -1,10 +1,16 @@
 """Per-token log-probabilities of given token sequences under a loaded model (and a
-stacked adapter slot): decode's `score` mode and the engine's `score`.
+stacked adapter slot): decode's `score` mode and the engine's `score`; and the most likely
+tokens at every prompt position (the server's `echo` with `logprobs=k`).
+
+Each is a compiled function of (params, host inputs) with its inputs and its unpacking
+apart, so a multi-host engine can send the inputs to every process and run the function
+there in one of its rounds (engine_loop.py).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gpt_oss_train import sharding
@@ -27,6 +33,11 @@ def score_fn(model: LoadedModel):
         return sharding.host_readable(logp)
 
     return jax.jit(score)
+
+
+def job(model: LoadedModel, op: str):
+    """The compiled function of JOBS[op] for `model` (made once, kept on the model)."""
+    return model.kept(("job", op), lambda: JOBS[op](model))
 
 
 def score_inputs(seqs: list[tuple[int, ...]], rows: int, adapter: int = 0) -> tuple:
@@ -60,3 +71,63 @@ def score_batch(
     with model.scope():
         logp = jax.device_get(fn(model.params, *score_inputs(seqs, rows, adapter)))
     return unpad(logp, seqs)
+
+
+# ---------------------------------------------------------------- top tokens at each position
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask for at each position
+BLOCK = 128  # positions unembedded together
+
+
+def top_fn(model: LoadedModel):
+    """jit(params, tokens [1, s], adapter_ids [1]) -> (log-probs, ids) [s, MAX_TOP_LOGPROBS]
+    of the most likely next tokens at each position. One forward pass over the prompt,
+    then the unembedding a block of positions at a time, so [positions, vocab] logits
+    never exist at once. Compiled once per padded length (powers of two)."""
+    md = model.md
+
+    def top(params, tokens_1s, adapter_ids):
+        s = tokens_1s.shape[1]
+        positions = jnp.arange(s, dtype=jnp.int32)[None]
+        net = md.bind(params)
+        # Padding after the prompt is harmless: attention is causal.
+        hidden, _, _ = net(tokens_1s, positions, jnp.ones_like(tokens_1s), None, adapter_ids)
+        blocks = hidden[0].reshape(s // BLOCK, BLOCK, -1)
+
+        def one(h_cd):
+            logp = jax.nn.log_softmax(net.logits(h_cd[None])[0], axis=-1)
+            return jax.lax.top_k(logp, MAX_TOP_LOGPROBS)
+
+        vals, ids = jax.lax.map(one, blocks)
+        return sharding.host_readable((vals.reshape(s, -1), ids.reshape(s, -1)))
+
+    return jax.jit(top)
+
+
+def top_inputs(prompt: list[int], adapter: int = 0) -> tuple:
+    """top_fn's inputs after the params: the prompt padded to a power of two (>= BLOCK)."""
+    n = len(prompt)
+    tokens = np.zeros((1, max(BLOCK, 1 << (n - 1).bit_length())), np.int32)
+    tokens[0, :n] = prompt
+    return tokens, np.full(1, adapter, np.int32)
+
+
+def top_unpack(out, n: int, k: int) -> list[list[tuple[int, float]]]:
+    """top_fn's output -> for i in [0, n-1): the k most likely (id, logprob)."""
+    vals, ids = out
+    return [[(int(t), float(v)) for t, v in zip(ids[i, :k], vals[i, :k])] for i in range(n - 1)]
+
+
+def top_logprobs(
+    model: LoadedModel, prompt: list[int], k: int, adapter: int = 0
+) -> list[list[tuple[int, float]]]:
+    """For i in [0, n-1): the k most likely (id, logprob) for the token after prompt[:i+1],
+    under stacked adapter slot `adapter` (inference/adapters.py)."""
+    with model.scope():
+        out = jax.device_get(job(model, "top")(model.params, *top_inputs(prompt, adapter)))
+    return top_unpack(out, len(prompt), k)
+
+
+# The engine's device calls beside its slots, by name: what a multi-host engine runs in
+# a round (engine_loop.py) when the server asks for them.
+JOBS = {"score": score_fn, "top": top_fn}

@@ -89,7 +89,10 @@ _PEAK_BW = flags.DEFINE_float(
 
 
 def _emit(record: dict):
-    print(json.dumps(record), flush=True)
+    import jax
+
+    if jax.process_index() == 0:  # on several processes, every one times the same steps
+        print(json.dumps(record), flush=True)
 
 
 def _memory_gb(device) -> float | None:
@@ -396,9 +399,20 @@ def sweep_experts(config):
 
 def main(argv):
     del argv
-    from gpt_oss_train import runtime, sharding
+    from gpt_oss_train import hosts, runtime, sharding
 
-    runtime.setup_process(sharding.platform())
+    link = hosts.join()  # on several processes (launch/), one mesh over all their devices
+    with link:
+        runtime.setup_process(sharding.platform())
+        if link.multihost and (_COMPARE_HF.value or _SWEEP_EXPERTS.value or _SAVE_HF.value):
+            raise app.UsageError(
+                "--compare_hf, --sweep_experts and --save_hf run in one process; launch "
+                "them without launch/"
+            )
+        _run()
+
+
+def _run():
     config = _CONFIG.value
     if _SAVE_HF.value and _INT8.value:
         raise app.UsageError("--save_hf writes the float weights; it cannot follow --int8_weights")

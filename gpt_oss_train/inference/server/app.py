@@ -4,7 +4,8 @@
     POST /v1/completions        completion_routes.py
     GET  /v1/models             the served model, then each LoRA adapter (a request
                                 names one as its "model" to generate with it)
-    GET  /health                200 while serving, 503 once draining (drain.py)
+    GET  /health                200 while serving, 503 once draining (drain.py) or when a
+                                peer process of a multi-host engine is gone
     GET  /metrics               Prometheus text (metrics.py)
 
 `create_app(engine, ...)` takes a started engine; `serve.py` makes one from flags and runs
@@ -115,6 +116,9 @@ def create_app(
     async def health():
         if drain.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        lost = engine.link.lost
+        if lost is not None:  # a multi-host engine whose peer process is gone (hosts.py)
+            return JSONResponse({"status": f"process {lost} is gone"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -12,7 +12,7 @@ import time
 
 from fastapi import FastAPI, Request
 
-from gpt_oss_train.inference.server import errors, generation, prompt_logprobs
+from gpt_oss_train.inference.server import errors, generation
 from gpt_oss_train.inference.server.errors import APIError, bad_request
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
 from gpt_oss_train.inference.server.schemas import CompletionRequest
@@ -113,7 +113,7 @@ def _score(state, prompt: list[int], k: int, adapter: str | None):
     logprobs = engine.score(prompt, adapter)
     if not k:
         return logprobs, [[] for _ in logprobs]
-    tops = prompt_logprobs.top_logprobs(engine.model, prompt, k, engine.adapter_slot(adapter))
+    tops = engine.top_logprobs(prompt, k, adapter)
     # The prompt token among the alternatives carries the very number token_logprobs
     # reports (the two forward passes may differ in the last bit), so "is it the most
     # likely token?" compares equal numbers.

@@ -13,9 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gpt_oss_train.inference.scoring import MAX_TOP_LOGPROBS
 from gpt_oss_train.inference.server.errors import bad_request
-
-MAX_TOP_LOGPROBS = 20
 
 
 class _Strict(BaseModel):

@@ -10,9 +10,11 @@ The history is kept across turns (earlier turns' analysis is dropped by render_c
 
 from __future__ import annotations
 
+import io
 import itertools
 import sys
 
+from gpt_oss_train import hosts
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.generate import cache_length
 from gpt_oss_train.io import tokenizer as tok_lib
@@ -103,16 +105,20 @@ class ReplyStream:
         return messages
 
 
-def run_chat(model, opts, stdin=None, stdout=None) -> int:
-    """The chat loop over a loaded model (loading.LoadedModel) and loading.Options."""
-
+def run_chat(model, opts, stdin=None, stdout=None, link: hosts.Link | None = None) -> int:
+    """The chat loop over a loaded model (loading.LoadedModel) and loading.Options. On
+    several processes (`link`), process 0 reads each line and sends it to the others,
+    every process generates the reply, and process 0 prints it once it is whole (a token
+    stream from inside the compiled loop is one process's: io_callback)."""
+    link = link or hosts.Link(0, 1, {})
     stdin = stdin or sys.stdin
-    stdout = stdout or sys.stdout
-    interactive = stdin.isatty()
+    stdout = (stdout or sys.stdout) if link.leader else io.StringIO()
+    interactive = link.leader and stdin.isatty()
     tok = tok_lib.Tokenizer()
     limit = loading.cache_limit(model.cfg.max_position_embeddings, opts)
     stream = ReplyStream(tok, stdout, show_analysis=opts.show_analysis, tty=stdout.isatty())
-    gen = model.generator(opts.prefill_chunk, opts.int8_kv_cache, on_token=stream.on_token)
+    on_token = None if link.multihost else stream.on_token
+    gen = model.generator(opts.prefill_chunk, opts.int8_kv_cache, on_token=on_token)
     history: list[dict] = []
     if interactive:
         stdout.write("Chat with the model. /reset clears the conversation, /exit ends it.\n")
@@ -120,7 +126,7 @@ def run_chat(model, opts, stdin=None, stdout=None) -> int:
         if interactive:
             stdout.write("you> ")
             stdout.flush()
-        line = stdin.readline()
+        line = link.share(stdin.readline().encode() if link.leader else None).decode()
         if not line:
             break
         text = line.strip()
@@ -154,6 +160,9 @@ def run_chat(model, opts, stdin=None, stdout=None) -> int:
                 seeds=[(opts.seed + turn) % 2**32],
                 max_len=max_len,
             )[0]
+        if on_token is None:  # printed whole, now
+            for token in out["tokens"]:
+                stream.feed(token)
         messages = stream.finish()
         if out["stop_reason"] == "length":
             stdout.write(f"(reply cut at {len(out['tokens'])} tokens)\n")

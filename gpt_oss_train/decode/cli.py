@@ -76,7 +76,7 @@ def get_config():
     return loading.default_runtime_config()
 
 
-def _define_flags():
+def define_flags():
     """Defined when run as a program only, so tests can import this module beside
     gpt_oss_train.train (which defines its own --config)."""
     errors.define_config_flag(
@@ -224,10 +224,10 @@ def _run(f, link: hosts.Link) -> int:
     --input (and sends it to the others) and writes the output."""
     opts = _check_flags(f)
     link.agree(lambda: _check_files(f))
-    if link.multihost and (f.compare_hf or f.mode == "chat"):
+    if link.multihost and f.compare_hf:
         raise DecodeError(
-            "--compare_hf and --mode=chat run in one process (transformers and a terminal "
-            "are one host's); launch them without launch/"
+            "--compare_hf runs in one process (transformers' side is one host's); launch it "
+            "without launch/"
         )
     adapters = adapters_lib.parse_flag(f.adapter)
     if adapters and not f.checkpoint:
@@ -272,7 +272,7 @@ def _run(f, link: hosts.Link) -> int:
     if f.mode == "chat":
         from gpt_oss_train.decode import chat
 
-        return chat.run_chat(model, opts)
+        return chat.run_chat(model, opts, link=link)
     raise AssertionError(f"unhandled mode {f.mode}")
 
 
@@ -344,7 +344,7 @@ def main(argv):
 
 def run():
     """The `gpt-oss-decode` console script: `python -m gpt_oss_train.decode`."""
-    _define_flags()
+    define_flags()
     app.run(main, flags_parser=errors.parse_flags)
 
 

@@ -32,7 +32,7 @@ from typing import Callable
 import jax
 from absl import logging
 
-from gpt_oss_train import errors, sharding
+from gpt_oss_train import errors, runtime, sharding
 
 EXIT_PEER_LOST = 3  # a peer process ended: this one cannot go on without it
 CONNECT_TIMEOUT_S = 300  # as jax.distributed's initialization timeout
@@ -42,6 +42,17 @@ _DATA, _LOST, _CLOSE = b"D", b"L", b"C"
 _HEADER = struct.Struct("!cQ")  # kind, payload length
 _HELLO = struct.Struct("!32sI")  # secret, process index
 _links = itertools.count()
+
+
+def command(run: Callable[[Link], int], argv: list[str]) -> int:
+    """An entry point's main(argv), on every process of the job: joins them (before
+    anything asks JAX for its devices), sets the process up, and returns run(link)'s exit
+    status, a UserError reported as one line (errors.run_command). Leaving it ends the
+    link in order."""
+    link = join()
+    with link:
+        runtime.setup_process(sharding.platform())
+        return errors.run_command(lambda: run(link), argv)
 
 
 class LinkClosed(Exception):

@@ -48,7 +48,7 @@ import time
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, hosts, runtime, sharding
+from gpt_oss_train import errors, hosts
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.loading import DecodeError
 
@@ -345,10 +345,7 @@ def _load_and_serve(f, adapters, positions, vocab: int, name: str, key, sock, li
 
 
 def main(argv):
-    link = hosts.join()  # before anything asks JAX for its devices
-    with link:
-        runtime.setup_process(sharding.platform())
-        return errors.run_command(lambda: _run(flags.FLAGS, link), argv)
+    return hosts.command(lambda link: _run(flags.FLAGS, link), argv)
 
 
 def run():

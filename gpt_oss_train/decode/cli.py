@@ -61,7 +61,7 @@ import sys
 
 from absl import app, flags, logging
 
-from gpt_oss_train import errors, hosts, logs, runtime, sharding
+from gpt_oss_train import errors, hosts, logs
 from gpt_oss_train.decode import requests
 from gpt_oss_train.inference import adapters as adapters_lib
 from gpt_oss_train.inference import loading
@@ -336,10 +336,7 @@ def _benchmark(load, f, opts, link: hosts.Link) -> int:
 
 
 def main(argv):
-    link = hosts.join()  # before anything asks JAX for its devices
-    with link:
-        runtime.setup_process(sharding.platform())
-        return errors.run_command(lambda: _run(flags.FLAGS, link), argv)
+    return hosts.command(lambda link: _run(flags.FLAGS, link), argv)
 
 
 def run():

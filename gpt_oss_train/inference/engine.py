@@ -249,22 +249,32 @@ class Engine:
         assert self._thread is None, "run_batch runs the rounds itself: do not start() first"
         with self._start_lock:
             self._warm_up()
-        each = [params] * len(prompts) if isinstance(params, RequestParams) else list(params)
-        handles: list[RequestHandle] = []
         try:
-            for prompt, p in zip(prompts, each, strict=True):
-                while True:
-                    try:
-                        handles.append(self.submit(prompt, p))
-                        break
-                    except RequestRejected as e:
-                        if e.status != 429:
-                            raise
-                        self._loop.run_until_idle()  # the queue is full: drain it
+            # A full queue is drained here: no other thread runs the rounds.
+            handles = self._submit_all(prompts, params, self._drain_queue)
             self._loop.run_until_idle()
         finally:
             self._loop.end_work()
         return [h.result() for h in handles]
+
+    def _drain_queue(self, handles) -> bool:
+        self._loop.run_until_idle()
+        return True
+
+    def _submit_all(self, prompts, params, when_full) -> list[RequestHandle]:
+        """Submits every prompt (`params` one for all, or one per prompt); on 429 (the
+        queue is full) calls when_full(handles so far) and tries again."""
+        each = [params] * len(prompts) if isinstance(params, RequestParams) else list(params)
+        handles: list[RequestHandle] = []
+        for prompt, p in zip(prompts, each, strict=True):
+            while True:
+                try:
+                    handles.append(self.submit(prompt, p))
+                    break
+                except RequestRejected as e:
+                    if e.status != 429 or not when_full(handles):
+                        raise
+        return handles
 
     def _warm_up(self) -> None:
         if self._warm:
@@ -348,19 +358,15 @@ class Engine:
         """Every prompt's Completion, in order (blocking; starts the engine if needed).
         Submits as fast as the queue takes them. `params`: one for all, or one per prompt."""
         self.start()
-        each = [params] * len(prompts) if isinstance(params, RequestParams) else list(params)
-        handles: list[RequestHandle] = []
-        for prompt, p in zip(prompts, each, strict=True):
-            while True:
-                try:
-                    handles.append(self.submit(prompt, p))
-                    break
-                except RequestRejected as e:
-                    waiting = [h for h in handles if not h.done]
-                    if e.status != 429 or not waiting:
-                        raise
-                    waiting[0].result()
-        return [h.result() for h in handles]
+        return [h.result() for h in self._submit_all(prompts, params, self._wait_for_one)]
+
+    @staticmethod
+    def _wait_for_one(handles: list[RequestHandle]) -> bool:
+        """Waits for the oldest unfinished request (False: none, the queue stays full)."""
+        waiting = [h for h in handles if not h.done]
+        if waiting:
+            waiting[0].result()
+        return bool(waiting)
 
     def chat_prompt(
         self,

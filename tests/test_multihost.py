@@ -11,6 +11,7 @@ with the same rewards and losses.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -121,6 +122,33 @@ def test_decode_score_data_on_two_processes_equals_one(tmp_path, tiny_checkpoint
     assert 3 < results[1]["loss"] < 8  # a random model over a 300-id vocabulary: ~ln 300
 
 
+def test_each_process_reads_its_half_of_the_checkpoint(tmp_path, tiny_checkpoint):
+    """Loading on 2 processes of 4 devices (FSDP over 8): each reads its own devices' shards
+    of the HF folder, about half of it (what every device holds, the norms, both read),
+    and of an Orbax checkpoint saved on 8 devices TensorStore reads each process's chunks:
+    about half too. Each says so in its 'Loaded' line."""
+    from gpt_oss_train.tools import convert_checkpoint
+
+    orbax = str(tmp_path / "orbax")
+    convert_checkpoint.hf_to_orbax(tiny_checkpoint, orbax)  # 8 devices: a chunk per shard
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"tokens": [5, 17, 29, 41]}) + "\n")
+    size = r"([\d.]+) (\w+)"
+    for ckpt, took in ((tiny_checkpoint, "read"), (orbax, "holds")):
+        log = _run(2, "gpt_oss_train.decode", f"--checkpoint={ckpt}", "--mode=score",
+                   f"--input={requests}", f"--output={tmp_path / 'scores.jsonl'}",
+                   "--dtype=float32")  # fmt: skip
+        found = re.findall(rf"\[(\d)\] .*Loaded .* this process {took} {size} of {size}(.*)", log)
+        assert sorted(p for p, *_ in found) == ["0", "1"], log[-3000:]
+        for _, part, unit, whole, unit2, rest in found:
+            assert unit == unit2, found
+            assert 0.45 * float(whole) < float(part) < 0.55 * float(whole), found
+            if took == "holds":
+                read = re.fullmatch(rf" \(its devices' shards\); TensorStore read {size}", rest)
+                assert read and read[2] == unit, found
+                assert 0.3 * float(whole) < float(read[1]) < 0.6 * float(whole), found
+
+
 def test_grpo_on_two_processes_gives_one_process_rewards_and_losses(tmp_path):
     narrow = dict(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16)
     args = ["gpt_oss_train.train", "--config=configs/grpo.py", "--config.train.steps=3",
@@ -214,6 +242,9 @@ def test_serve_on_two_processes_through_the_openai_client(tmp_path, harmony_chec
         model = loading.load_model(harmony_checkpoint, dtype="float32")  # one process, 8
         want = scoring.score_batch(model, scoring.job(model, "score"), [tuple(ids)], rows=1)
         np.testing.assert_allclose(served, want[0], rtol=1e-5, atol=1e-5)
+        # refused on process 0 (over max_context): the others never hear of it
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny-harmony", prompt=[7] * 600, max_tokens=1)
 
         def hang_up(i):  # a stream read a little, then closed
             stream = client.completions.create(

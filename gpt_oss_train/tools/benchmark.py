@@ -185,7 +185,7 @@ def bench_train(config):
             "dtype": mc.dtype,
             "compile_s": round(compile_s, 1),
             "loss": float(out["loss"]),
-            "peak_memory_gb": _memory_gb(jax.devices()[0]),
+            "peak_memory_gb": _memory_gb(jax.local_devices()[0]),
             "peak_rss_gb": peak_rss_gb(),
             "tokens_per_sec": b * s / dt,
             **{k.split("/")[-1]: v for k, v in perf.items()},

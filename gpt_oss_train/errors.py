@@ -11,6 +11,8 @@ possible; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 
 
@@ -62,13 +64,79 @@ def define_config_flag(name: str, default: str, help_text: str):
         return config_flags.DEFINE_config_file(name, default, help_text)
     except _OVERRIDE_ERRORS as e:
         sys.exit(report(override_error(sys.argv, e)))
+    except OSError:  # the default file is missing and an override was applied to it
+        error = config_file_error(name, default)
+        if error is None:
+            raise
+        sys.exit(report(error))
+
+
+def config_file_error(name: str, value: str) -> UserError | None:
+    """The one-line error for a `--config=PATH[:ARG]` whose file cannot be read, or None.
+    ml_collections defers that error until the config is first used (a 45-line traceback
+    from deep in the run, exit 1)."""
+    path = value.split(":", 1)[0]
+    if os.path.isfile(path):
+        return None
+    try:
+        os.stat(path)
+        reason = "is a folder" if os.path.isdir(path) else "is not a regular file"
+    except FileNotFoundError:
+        reason = "no such file" + ("" if os.path.isabs(path) else f" (in {os.getcwd()})")
+    except NotADirectoryError:
+        reason = "no such file (part of its path is a file, not a folder)"
+    except OSError as e:
+        reason = (e.strerror or type(e).__name__).lower()
+    return UserError(
+        f"--{name}={value}: {reason}; give a config .py file (configs/ holds the shipped ones)"
+    )
+
+
+def _config_flag_values(argv: list[str]) -> list[tuple[str, str]]:
+    """(flag name, value) of each config-file flag given in argv, or left at its default
+    (what ml_collections loads)."""
+    from absl import flags
+    from ml_collections.config_flags import config_flags as cf
+
+    found = []
+    for name in list(flags.FLAGS):
+        flag = flags.FLAGS[name]
+        if flag.name != name or not isinstance(flag.parser, cf.ConfigFileFlagParser):
+            continue
+        given = [
+            a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            for i, a in enumerate(argv[1:], 1)
+            if re.fullmatch(rf"--?{re.escape(name)}(=.*)?", a, re.S)
+        ]
+        if given:
+            found.append((name, given[-1]))
+            continue
+        try:
+            found.append((name, flag.config_filename))  # the default, loaded at definition
+        except Exception:  # none recorded (a default that is not a file)
+            pass
+    return found
+
+
+_HELP_FLAGS = {"-h", "-?", "--help", "--helpshort", "--helpfull", "--helpxml"}
+
+
+def _check_config_files(argv: list[str]) -> None:
+    if _HELP_FLAGS & set(argv[1:]):
+        return  # help needs no config
+    for name, value in _config_flag_values(argv):
+        error = config_file_error(name, value)
+        if error is not None:
+            sys.exit(report(error))
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with a bad flag
-    reported in one line, exit 2 (see override_error)."""
+    """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with a bad flag or
+    a --config file that cannot be read reported in one line, exit 2 (see override_error
+    and config_file_error)."""
     from absl import flags
 
+    _check_config_files(argv)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

@@ -267,11 +267,6 @@ def _prepare_locked(config, workdir: str, devices, lock, link) -> Run:
     return Run(setup, ckpt, pipeline, state, workdir, lock, meta, grpo)
 
 
-def _newest(ckpt) -> str:
-    step = ckpt.latest_step()
-    return "no checkpoint was saved yet" if step is None else f"the newest checkpoint, step {step},"
-
-
 def _lock_lost(lock) -> str | None:
     try:
         if lock is not None:
@@ -343,12 +338,19 @@ class _Loop:
 
     def check_diverged(self) -> None:
         if self.skipped.diverged:
+            step = self.r.ckpt.latest_step()
+            kept = (
+                "nothing was saved after them: the newest checkpoint, step "
+                f"{step}, holds the last finite parameters"
+                if step is not None
+                else "no checkpoint was saved"
+            )
             raise RunStopped(
                 f"{self.skipped.in_a_row} steps in a row (to step {self.skipped.last_skipped}) "
-                "had a non-finite loss or gradient norm; their updates were skipped and nothing "
-                f"was saved after them: {_newest(self.r.ckpt)} holds the last finite "
-                f"parameters. Lower train.learning_rate (now {self.c.train.learning_rate:g}) or "
-                "check the data, then run again (train.max_nonfinite_steps sets the limit)"
+                "had a non-finite loss or gradient norm; their updates were skipped and "
+                f"{kept}. Lower train.learning_rate (now "
+                f"{self.c.train.learning_rate:g}) or check the data, then run again "
+                "(train.max_nonfinite_steps sets the limit)"
             )
 
     def check_stops(self) -> bool:
@@ -383,10 +385,15 @@ class _Loop:
         self.failed_saves += 1
         allowed = self.c.checkpoint.max_failed_saves
         if last or self.failed_saves > allowed:
-            raise RunStopped(
-                f"{message}. Nothing of that save was kept, and {_newest(self.r.ckpt)} is "
-                "intact; fix the storage, then run the same command to resume"
+            step = self.r.ckpt.latest_step()
+            kept = (
+                f"the newest checkpoint, step {step}, is intact; fix the storage, then run the "
+                "same command to resume"
+                if step is not None
+                else "no checkpoint was saved before it; fix the storage, then run the same "
+                "command to start again"
             )
+            raise RunStopped(f"{message}. Nothing of that save was kept, and {kept}")
         logging.error(
             "%s; training goes on and saves again at the next checkpoint step (%d of %d "
             "failed saves allowed by checkpoint.max_failed_saves)",

@@ -137,7 +137,7 @@ def test_each_process_reads_its_half_of_the_checkpoint(tmp_path, tiny_checkpoint
     for ckpt, took in ((tiny_checkpoint, "read"), (orbax, "holds")):
         log = _run(2, "gpt_oss_train.decode", f"--checkpoint={ckpt}", "--mode=score",
                    f"--input={requests}", f"--output={tmp_path / 'scores.jsonl'}",
-                   "--dtype=float32")  # fmt: skip
+                   "--overwrite", "--dtype=float32")  # fmt: skip
         found = re.findall(rf"\[(\d)\] .*Loaded .* this process {took} {size} of {size}(.*)", log)
         assert sorted(p for p, *_ in found) == ["0", "1"], log[-3000:]
         for _, part, unit, whole, unit2, rest in found:

@@ -104,8 +104,21 @@ def read_model_config(path: str) -> dict[str, Any]:
     if found is None:
         raise CheckpointError(f"{path}: no Orbax checkpoint with a model config found here")
     root, step = found
+    arch = _stored_model_config(root, step)
+    if arch is None:
+        item_dir = storage.join(root, str(step), MODEL_CONFIG)
+        raise CheckpointError(f"{item_dir}: model config JSON not found or unreadable")
+    return arch
+
+
+def _stored_model_config(root: str, step: int) -> dict[str, Any] | None:
+    """The architecture stored with step `step` under `root`, validated; None where its
+    JSON cannot be found or read (a damaged step)."""
     item_dir = storage.join(root, str(step), MODEL_CONFIG)
-    files = [f for f in storage.listdir(item_dir) if f.endswith(".json") or "metadata" in f]
+    try:
+        files = [f for f in storage.listdir(item_dir) if f.endswith(".json") or "metadata" in f]
+    except FileNotFoundError:
+        return None
     for name in files:
         try:
             data = json.loads(storage.read_text(storage.join(item_dir, name)))
@@ -113,7 +126,7 @@ def read_model_config(path: str) -> dict[str, Any]:
             continue
         if isinstance(data, dict) and "hidden_size" in data:
             return architecture.from_json(json.dumps(data), item_dir)
-    raise CheckpointError(f"{item_dir}: model config JSON not found or unreadable")
+    return None
 
 
 def check_same_architecture(stored: dict, wanted: dict, where: str):
@@ -258,6 +271,26 @@ def load_params(path: str, abstract_params) -> tuple[Any, dict, int]:
         mngr.close()
 
 
+# TensorStore's storage drivers (under Orbax's OCDBT layer, which has no byte count of
+# its own): what each has read from files or object stores.
+_STORAGE_DRIVERS = ("file", "gcs", "gcs_grpc", "s3", "http")
+
+
+def storage_bytes_read() -> int | None:
+    """Bytes TensorStore (Orbax's storage layer) has read in this process so far, over all
+    its storage drivers; the difference around a restore is what the restore read (Orbax
+    reads only the chunks under this process's shards, where TensorStore merges nearby
+    reads into one). None where TensorStore keeps no metrics."""
+    try:
+        import tensorstore as ts
+
+        metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+    except (ImportError, AttributeError):
+        return None
+    wanted = {f"/tensorstore/kvstore/{d}/bytes_read" for d in _STORAGE_DRIVERS}
+    return sum(int(v.get("value", 0)) for m in metrics if m["name"] in wanted for v in m["values"])
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -298,14 +331,22 @@ class TrainCheckpointer:
         self.extra_meta = dict(extra_meta or {})  # more of `meta` (LoRA: spec and base)
         self.every = every
         self._keep, self._async = keep, async_save
-        if find_step_dir(self.directory) is not None:
-            # Check before creating a manager that could garbage-collect anything.
-            check_same_architecture(read_model_config(self.directory), self.arch, self.directory)
+        # Check before creating a manager that could garbage-collect anything: a step of
+        # another model refuses the workdir, each step judged by its own model config (one
+        # whose config cannot be read is damaged: restore_newest falls back past it).
+        for step in _steps(self.directory):
+            stored = _stored_model_config(self.directory, step)
+            if stored is not None:
+                self._check_architecture(step, stored)
         self._mngr = _manager(self.directory, keep=keep, async_save=async_save)
         self._saving: int | None = None  # the step of the save under way
         self.failure: str | None = None  # the last failed save, one line
         self._sigterm = threading.Event()
         self._previous_handler = None
+
+    def _check_architecture(self, step: int, stored: dict) -> None:
+        """CheckpointError (a refusal, not damage) if `step` holds another model."""
+        check_same_architecture(stored, self.arch, storage.join(self.directory, str(step)))
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -433,12 +474,17 @@ class TrainCheckpointer:
     def restore(
         self, step: int, abstract_params, abstract_opt_state, data_iterator, *, whole_batches=False
     ):
-        """(params, opt_state, meta) of `step`, its files checked first; the data iterator
-        is set to the saved position (see `_data_state`)."""
+        """(params, opt_state, meta) of `step`, its files and its model config checked first
+        (CheckpointError if it holds another model); the data iterator is set to the saved
+        position (see `_data_state`)."""
         step_dir = storage.join(self.directory, str(step))
         problem = integrity.problem(step_dir, ALL_ITEMS)
         if problem:
             raise ValueError(problem)
+        stored = _stored_model_config(self.directory, step)  # this step's own architecture
+        if stored is None:
+            raise ValueError(f"{MODEL_CONFIG}/: model config JSON not found or unreadable")
+        self._check_architecture(step, stored)
         data_file = self._data_state_file(step_dir, whole_batches)
         state = json.loads(storage.read_text(data_file))
         restored = self._mngr.restore(

@@ -50,6 +50,7 @@ Modes
 Index i of an output line is the 0-based line number of the input; error messages name
 the 1-based line ("line i+1"), as editors count. Exit code: 0 if any line succeeded (or
 there was none), 1 if every line failed, 2 for an unusable checkpoint, flag or config.
+An existing --output file is refused (exit 2) unless --overwrite is given.
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def define_flags():
         "output",
         None,
         "Where results go (JSONL; JSON for --data and "
-        "benchmark). Default for generate/score: stdout.",
+        "benchmark). Default for generate/score: stdout. An existing file is refused "
+        "unless --overwrite.",
     )
+    flags.DEFINE_bool("overwrite", False, "Replace an existing --output file.")
     flags.DEFINE_enum(
         "dtype",
         None,
@@ -205,6 +208,12 @@ def _check_files(f) -> None:
         raise DecodeError(f"--input={f.input}: no such file")
     if f.output and not os.path.isdir(os.path.dirname(os.path.abspath(f.output))):
         raise DecodeError(f"--output={f.output}: its folder does not exist")
+    if f.output and os.path.isdir(f.output):
+        raise DecodeError(f"--output={f.output} is a folder; give a file path")
+    if f.output and os.path.lexists(f.output) and not f.overwrite:
+        raise DecodeError(
+            f"--output={f.output} exists; pass --overwrite to replace it, or choose another path"
+        )
 
 
 def _write_jsonl(records: list[dict], path: str | None):

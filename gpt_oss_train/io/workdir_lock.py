@@ -108,6 +108,31 @@ def _parse(data: bytes) -> dict:
 # ----------------------------------------------------------------------------- local: flock
 
 
+def _unusable(workdir: str, e: OSError) -> str:
+    """Why a local workdir cannot hold its lock file, in one line naming it and the fix."""
+    if os.path.lexists(workdir) and not os.path.isdir(workdir):
+        return f"workdir {workdir} is a file, not a folder; use another --workdir (it is untouched)"
+    if isinstance(e, NotADirectoryError):
+        above = os.path.dirname(workdir)
+        while above != os.path.dirname(above) and not os.path.lexists(above):
+            above = os.path.dirname(above)
+        return f"workdir {workdir}: {above} is a file, not a folder; use another --workdir"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if not os.path.isdir(workdir):
+            return (
+                f"workdir {workdir} cannot be created ({e.strerror}: {e.filename or workdir}); "
+                "use another --workdir"
+            )
+        return (
+            f"workdir {workdir} is not writable ({e.strerror}: {e.filename or workdir}); make "
+            "it writable or use another --workdir"
+        )
+    return (
+        f"workdir {workdir}: cannot write its lock file {LOCK_NAME} ({e.strerror or e}); fix "
+        "that or use another --workdir"
+    )
+
+
 class _FlockLock:
     def __init__(self, path: str):
         self.path = path
@@ -117,9 +142,8 @@ class _FlockLock:
         """Takes the lock; returns the record a dead holder left (None if none)."""
         import fcntl
 
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -142,11 +166,28 @@ class _FlockLock:
                 os.close(fd)
                 continue
             left = _parse(os.pread(fd, 1 << 16, 0))
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)
-            os.fsync(fd)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(record).encode("utf-8"), 0)
+                os.fsync(fd)
+            except OSError as e:  # a full disk: leave no lock file of this run behind
+                try:
+                    os.unlink(self.path)  # while locked, as release() does
+                except OSError:
+                    pass
+                os.close(fd)
+                raise WorkdirLockError(_unusable(os.path.dirname(self.path), e)) from None
             self._fd = fd
             return left or None
+
+    def _open(self) -> int:
+        """The lock file, opened for writing (its folder made first)."""
+        folder = os.path.dirname(self.path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise WorkdirLockError(_unusable(folder, e)) from None
 
     def refresh(self, record: dict) -> bool:
         return True  # the kernel holds a flock for as long as the process lives

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -468,6 +469,125 @@ def test_save_hf_mxfp4_round_trip(read_hf_tree, tree, tmp_path):
     np.testing.assert_array_equal(
         ex.down_proj.detach().float().numpy(), rep["blocks"]["sliding"]["moe"]["wo"][1]
     )
+
+
+# ----------------------------------------------------------------------------
+# 4b. Loading onto devices: each shard read alone, each stored byte once
+# ----------------------------------------------------------------------------
+
+
+def _file_tensor_bytes(folder):
+    """The bytes of every tensor in a folder's safetensors files, from the headers' data
+    offsets (read here, not through hf.py)."""
+    total = 0
+    for f in os.listdir(folder):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(folder, f), "rb") as h:
+                header = json.loads(h.read(struct.unpack("<Q", h.read(8))[0]))
+            offsets = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
+            total += sum(e - b for b, e in offsets)
+    return total
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(hf_model, tmp_path_factory):
+    """(folder, its tensors): the published layout, split over two files."""
+    dst = str(tmp_path_factory.mktemp("mxfp4") / "mx")
+    return dst, _write_mxfp4_checkpoint(hf_model[1], dst, np.random.default_rng(5))
+
+
+def _abstract(folder, mesh_shape, packed=False):
+    """The model's parameters as ShapeDtypeStructs sharded over all 8 devices (`packed`:
+    the experts as MXFP4 blocks and scales, as a QLoRA base keeps them)."""
+    import jax
+
+    from gpt_oss_train import sharding
+    from gpt_oss_train.model import frozen_base, lora, parameters
+    from gpt_oss_train.model.transformer import ModelDef
+
+    arch = HFCheckpoint(folder).model_config
+    md = ModelDef(config_lib.ModelConfig.from_config(config_lib.default_config(), arch))
+    mesh = sharding.make_mesh(mesh_shape, devices=jax.devices())
+    dense = md.abstract_params(mesh, config_lib.DEFAULT_RULES)
+    if not packed:
+        return dense
+    base = frozen_base.abstract(dense, "mxfp4", mesh, config_lib.DEFAULT_RULES)
+
+    def one(key_path, leaf):
+        path = parameters.path_of(key_path)
+        return lora.get(base, path) if frozen_base.form_of(path, "mxfp4") == "mxfp4" else leaf
+
+    return jax.tree_util.tree_map_with_path(one, dense)
+
+
+FSDP8 = dict(data=1, fsdp=8, tensor=1, expert=1)  # the default mesh on 8 devices
+MIXED = dict(data=2, fsdp=2, tensor=2, expert=1)  # shards, and 2 replicas of each
+
+
+@pytest.mark.parametrize("mesh", [FSDP8, MIXED], ids=["fsdp8", "data2_fsdp2_tensor2"])
+@pytest.mark.parametrize("form", ["dense", "mxfp4"])
+def test_load_sharded_reads_each_stored_byte_once(hf_model, mxfp4_folder, form, mesh):
+    """One process with 8 devices: every device's shard is read, but each byte of the files
+    once (not once per device, nor once per replica, nor whole tensors per device), as one
+    process of a pod reads just its devices' shards. MXFP4: a 32-input block two devices
+    split (FSDP over 8 leaves 8 inputs each) is read once for both."""
+    model, folder = hf_model[0], hf_model[1] if form == "dense" else mxfp4_folder[0]
+    count = hf.ReadCount()
+    params = hf.load_sharded(folder, _abstract(folder, mesh), count)
+    assert count.total == _file_tensor_bytes(folder)
+    assert count.read == count.total
+    ckpt = HFCheckpoint(folder)  # read whole (the path test_mxfp4_checkpoint_read checks)
+    for p in ckpt.param_paths():
+        if form == "dense":
+            want = expected_from_state_dict(model.state_dict(), p)
+        else:
+            want = ckpt.read(p)
+        np.testing.assert_array_equal(np.asarray(get(params, p)), want, err_msg=p)
+
+
+@pytest.mark.parametrize("form", ["dense", "mxfp4"])
+def test_load_sharded_packed_experts_read_once(hf_model, mxfp4_folder, form):
+    """Experts kept as MXFP4 blocks and scales (a QLoRA base): the stored bytes, or the
+    dense ones quantized, each read once although blocks and scales shard differently."""
+    from gpt_oss_train.arrays import mxfp4_array
+
+    folder = hf_model[1] if form == "dense" else mxfp4_folder[0]
+    count = hf.ReadCount()
+    params = hf.load_sharded(folder, _abstract(folder, FSDP8, packed=True), count)
+    assert count.read == count.total == _file_tensor_bytes(folder)
+    sd = {k: v.detach().numpy() for k, v in hf_model[0].state_dict().items()}
+    for kind, j in (("sliding", 0), ("full", 1)):
+        for leaf, name, part in (("wi_gate", "gate_up_proj", 0), ("wi_up", "gate_up_proj", 1),
+                                 ("wo", "down_proj", None)):  # fmt: skip
+            rows = slice(None) if part is None else slice(part, None, 2)
+            pairs = []
+            for i in range(L // 2):
+                key = f"model.layers.{2 * i + j}.mlp.experts.{name}"
+                if form == "dense":
+                    b, s = quantize_mxfp4(sd[key][..., rows])
+                else:
+                    raw = mxfp4_folder[1]
+                    b, s = raw[key + "_blocks"][:, rows], raw[key + "_scales"][:, rows]
+                pairs.append(mxfp4_array.from_file(b, s))
+            got = get(params, f"blocks/{kind}/moe/{leaf}")
+            np.testing.assert_array_equal(np.asarray(got.blocks), np.stack([b for b, _ in pairs]))
+            np.testing.assert_array_equal(np.asarray(got.scales), np.stack([s for _, s in pairs]))
+
+
+def test_one_shard_reads_only_its_bytes(hf_model, mxfp4_folder):
+    """What one device of FSDP over 8 holds, read alone: inputs 24..31 of the up projection
+    are those elements of the fused gate_up tensor only (dense), or the one 32-input MXFP4
+    block under them (codes and scale); rows 8..15 of the embedding, just those."""
+    box = ((0, L // 2), (0, E), (24, 32), (0, F))
+    dense, mx = HFCheckpoint(hf_model[1]), HFCheckpoint(mxfp4_folder[0])
+    for ckpt, nbytes in ((dense, L // 2 * E * 8 * F * 4), (mx, L // 2 * E * F * (16 + 1))):
+        got = ckpt.read_box("blocks/full/moe/wi_up", box)
+        np.testing.assert_array_equal(got, ckpt.read("blocks/full/moe/wi_up")[:, :, 24:32])
+        assert ckpt.count.read == nbytes
+        got = ckpt.read_box("embed/embedding", ((0, V), (8, 16)))
+        np.testing.assert_array_equal(got, ckpt.read("embed/embedding")[:, 8:16])
+        itemsize = 4 if ckpt is dense else 2  # float32; bfloat16 in the MXFP4 folder
+        assert ckpt.count.read == nbytes + V * 8 * itemsize
 
 
 # ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from typing import Any, Sequence
 
 import jax
@@ -25,6 +26,7 @@ from gpt_oss_train.inference.generate import Generator, SamplingParams
 from gpt_oss_train.io import storage
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.kernels import platforms
+from gpt_oss_train.model import frozen_base
 from gpt_oss_train.model.transformer import ModelDef
 
 # Raw text ends on <|endoftext|> as well as Harmony's end-of-turn ids (HF's eos ids).
@@ -154,12 +156,55 @@ def runtime_config(config=None, dtype: str | None = None):
     return config
 
 
+_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
+
+
+def _in_units_of(whole: int):
+    """n -> '48.1 MiB', in the largest unit that leaves `whole` at 10 or more."""
+    unit, name = next((u for u in _UNITS if whole >= 10 * u[0]), _UNITS[-1])
+    return lambda n: f"{n / unit:.1f} {name}"
+
+
+def held_bytes(params) -> tuple[int, int]:
+    """(bytes of the distinct shards this process's devices hold, bytes of the whole
+    model): a replicated shard counts once per process."""
+    held = total = 0
+    for a in jax.tree.leaves(params):
+        total += a.nbytes
+        seen = set()
+        for shard in a.addressable_shards:
+            index = tuple(s.indices(n) for s, n in zip(shard.index, a.shape))
+            if index not in seen:
+                seen.add(index)
+                held += shard.data.nbytes
+    return held, total
+
+
+def _loaded_line(kind: str, path: str, seconds: float, params, read) -> str:
+    """The log line that says the model is here and what this process took of it. `read`:
+    an hf.ReadCount (bytes read from the files, of the bytes the model takes from them),
+    an int (bytes TensorStore read: said beside the bytes of the shards held) or None."""
+    what = f"Loaded {kind} model {path}" if path else f"Made {kind} model"
+    if hasattr(read, "total"):
+        size = _in_units_of(read.total)
+        took = f"read {size(read.read)} of {size(read.total)}"
+    else:
+        held, total = held_bytes(params)
+        size = _in_units_of(total)
+        took = f"holds {size(held)} of {size(total)}"
+    line = f"{what} in {seconds:.1f} s: this process {took} (its devices' shards)"
+    if isinstance(read, int):
+        line += f"; TensorStore read {size(read)}"
+    return line
+
+
 def _place(
     config, arch: dict, read_params, kind, path, int8_weights: bool, devices=None, adapters=()
 ):
     """A LoadedModel whose params `read_params(model_def, mesh, rules)` creates on the
     mesh of the runtime config (over `devices`, default every process's), int8-quantized
-    if asked, with `adapters` ([(name, folder)]) beside the base."""
+    if asked, with `adapters` ([(name, folder)]) beside the base. read_params returns
+    (params, what it read: see _loaded_line)."""
     rules = sharding.validate_rules(config.logical_axis_rules)
     devices = jax.devices() if devices is None else devices
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
@@ -177,7 +222,10 @@ def _place(
     logging.info(
         "Loading %s model %s: compute %s, mesh %s", kind, path, md.cfg.dtype, dict(mesh.shape)
     )
-    model = LoadedModel(md, read_params(md, mesh, rules), mesh, rules, kind, path, config)
+    start = time.perf_counter()
+    params, read = read_params(md, mesh, rules)
+    logging.info("%s", _loaded_line(kind, path, time.perf_counter() - start, params, read))
+    model = LoadedModel(md, params, mesh, rules, kind, path, config)
     if int8_weights:
         from gpt_oss_train.model import quantize
 
@@ -200,24 +248,47 @@ def load_model(
     int8_weights: bool = False,
     devices=None,
     adapters: Sequence[tuple[str, str]] = (),
+    weights: str = "param_dtype",
 ) -> LoadedModel:
     """The checkpoint's parameters, placed on the mesh of the runtime config (over
     `devices`, default every process's), with LoRA `adapters` [(name, folder)] beside them
-    (name "": the one adapter every request uses)."""
+    (name "": the one adapter every request uses). `weights`: the form they are kept in
+    (frozen_base.FORMATS): "param_dtype" as the runtime config says, else "bfloat16",
+    "int8" or "mxfp4" (the experts as the published checkpoints store them, decoded
+    inside the layer scan: a quarter of bfloat16's bytes), read straight into it."""
+    if weights not in frozen_base.FORMATS:
+        raise DecodeError(f"--weights={weights}: choose one of {', '.join(frozen_base.FORMATS)}")
+    if weights != "param_dtype" and int8_weights:
+        raise DecodeError("--int8_weights and --weights: give one (--weights=int8 is the former)")
     config = runtime_config(config, dtype)
     kind = checkpoint_kind(path)
     arch = read_architecture(path, kind)
 
     def read(md, mesh, rules):
-        abstract = md.abstract_params(mesh, rules)
+        dense = md.abstract_params(mesh, rules)
+        packed = (
+            None if weights == "param_dtype" else frozen_base.abstract(dense, weights, mesh, rules)
+        )
         try:
             if kind == "orbax":
-                return ckpt_lib.load_params(path, abstract)[0]
-            from gpt_oss_train.io import hf
+                before = ckpt_lib.storage_bytes_read()
+                params = ckpt_lib.load_params(path, dense)[0]
+                after = ckpt_lib.storage_bytes_read()
+                took = None if before is None else after - before
+            else:
+                from gpt_oss_train.io import hf
 
-            return hf.load_sharded(path, abstract)
+                took = hf.ReadCount()
+                targets = (
+                    dense if packed is None else frozen_base.read_targets(dense, weights, packed)
+                )
+                params = hf.load_sharded(path, targets, took)
         except (ValueError, OSError) as e:
             raise DecodeError(f"--checkpoint={path}: {e}") from None
+        if packed is not None:
+            with sharding.use_mesh(mesh, rules):
+                params = frozen_base.place(params, weights, packed)
+        return params, took
 
     return _place(
         config, arch, read, kind, storage.normalize(path), int8_weights, devices, adapters
@@ -231,7 +302,7 @@ def random_model(config=None, *, int8_weights: bool = False, devices=None) -> Lo
     arch = architecture.validate(config_lib.model_arch(config))
 
     def init(md, mesh, rules):
-        return md.init(config.seed, mesh, rules)
+        return md.init(config.seed, mesh, rules), None
 
     return _place(config, arch, init, "random", "", int8_weights, devices)
 

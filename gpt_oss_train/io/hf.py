@@ -44,6 +44,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any, Callable, Iterator, Mapping
 
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
@@ -62,13 +63,15 @@ from gpt_oss_train.io.safetensors_io import (
     FLOAT_DTYPES,
     ST_DTYPES,
     TensorInfo,
+    map_file,
     read_header,
+    read_part,
     write_safetensors,
 )
 from gpt_oss_train.model import parameters
 from gpt_oss_train.model.parameters import KINDS, Param
 
-__all__ = ["HFCheckpoint", "param_shapes", "load_sharded", "save_hf"]
+__all__ = ["HFCheckpoint", "ReadCount", "param_shapes", "load_sharded", "save_hf"]
 
 _SAVE_DTYPES = {
     "float32": ("F32", np.dtype("<f4")),
@@ -124,6 +127,26 @@ def hf_tensors(m: Mapping[str, Any]) -> Iterator[HFTensorPlan]:
         yield HFTensorPlan(top[path].hf.name, [top[path]], [path], None, sizes)
 
 
+def _part(decl: Param, a: int, b: int) -> slice:
+    """Where elements [a, b) of a parameter lie along its HF tensor's fused axis (every
+    other one, from its part: gate 0, up 1), or along its own axis if not fused."""
+    return slice(a, b) if decl.hf.part is None else slice(2 * a + decl.hf.part, 2 * b, 2)
+
+
+def _block_runs(mid: tuple[int, int], per: int) -> list[tuple[int, int, bool]]:
+    """The MXFP4 blocks under [mid) (in units `per` to a block) as runs (start, stop,
+    edge): a block the range covers only in part (its neighbour has the rest) is a run of
+    its own with edge True, the blocks it covers whole one run."""
+    k0, k1 = mid[0] // per, -(-mid[1] // per)
+    first, last = mid[0] % per != 0, mid[1] % per != 0
+    if k1 - k0 == 1:
+        return [(k0, k1, first or last)]
+    a, b = k0 + first, k1 - last
+    runs = [(k0, a, True)] if first else []
+    runs += [(a, b, False)] if b > a else []
+    return runs + ([(b, k1, True)] if last else [])
+
+
 def _mxfp4_shapes(plan: HFTensorPlan) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the MXFP4 blocks and scales of an [E, in, out] tensor: (out, in) order."""
     e, i, o = plan.shape
@@ -139,16 +162,33 @@ class HFCheckpointError(UserError):
     """A Hugging Face folder that cannot be read as gpt-oss; the message names the file."""
 
 
+class ReadCount:
+    """What loads read from checkpoint files: `read` bytes copied out of them, of `total`,
+    the bytes of every tensor the models take from them. Readers add under a lock."""
+
+    def __init__(self):
+        self.read = 0
+        self.total = 0
+        self._lock = threading.Lock()
+
+    def add(self, read: int = 0, total: int = 0) -> None:
+        with self._lock:
+            self.read += read
+            self.total += total
+
+
 class HFCheckpoint:
     """A Hugging Face GPT-OSS checkpoint folder, read lazily one tensor at a time.
 
     Construction reads config.json and every safetensors header and checks that each
     tensor our tree needs is present with the right shape and dtype class; errors name the
     tensor and the file. ``read(path, layers)`` returns our float32 layout for a range of
-    stacked blocks only.
+    stacked blocks only; ``read_box(path, box)`` any box of our layout (a device's shard),
+    reading only the bytes under it and adding them to `count` (a ReadCount, whose total
+    grows by the bytes of the tensors the model takes from this folder).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, count: ReadCount | None = None):
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"HF checkpoint folder {self.path} does not exist")
@@ -168,8 +208,12 @@ class HFCheckpoint:
         self._shapes = param_shapes(self._model_config)
         self._tensors = self._index_tensors()
         self._handles: dict[str, Any] = {}
+        self._mapped: dict[str, np.ndarray] = {}
         self._mx_layers: set[int] = set()
+        self._used: list[str] = []  # the tensors the model takes
         self._validate()
+        self.count = ReadCount() if count is None else count
+        self.count.add(total=sum(self._tensors[n].end - self._tensors[n].begin for n in self._used))
 
     # -- discovery / validation ------------------------------------------------
     def _index_tensors(self) -> dict[str, TensorInfo]:
@@ -254,6 +298,7 @@ class HFCheckpoint:
                 self._check(blocks, blocks_shape, "u8")
                 self._check(scales, scales_shape, "u8")
                 self._mx_layers.add(plan.layer)
+                self._used += [blocks, scales]
             elif plan.mxfp4 and plan.name not in self._tensors:
                 raise HFCheckpointError(
                     f"HF checkpoint is missing tensor {plan.name!r} (or its MXFP4 form "
@@ -261,6 +306,7 @@ class HFCheckpoint:
                 )
             else:
                 self._check(plan.name, plan.shape, "float")
+                self._used.append(plan.name)
 
     # -- public API --------------------------------------------------------------
     @property
@@ -293,6 +339,7 @@ class HFCheckpoint:
 
     def close(self) -> None:
         self._handles.clear()
+        self._mapped.clear()
 
     def __enter__(self) -> "HFCheckpoint":
         return self
@@ -300,23 +347,103 @@ class HFCheckpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- internals -----------------------------------------------------------------
-    def read_mxfp4(self, path: str, layers: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """An expert weight's MXFP4 blocks uint8 [k, E, out, in/32, 16] and scales [k, E,
-        out, in/32] (our part of a fused tensor) for the stacked blocks in `layers`: the
-        stored bytes when the checkpoint is MXFP4, else quantized from its dense values."""
+    def read_box(self, path: str, box, part: int | None = None, shared=None) -> np.ndarray:
+        """Our array for `path` restricted to `box` (a (start, stop) per axis of our shape,
+        the stacked blocks first): float32, or with part 0 / 1 the MXFP4 blocks / scales
+        of an expert weight (arrays/mxfp4_array.py's layout, [..., in/8 | in/32, out];
+        quantized here when the folder stores it dense). Reads only the bytes under the
+        box (MXFP4: its whole 32-input blocks). `shared`, a dict the reads of one weight
+        share (its blocks' and scales'), keeps the MXFP4 blocks two shards split and the
+        scales quantized with the blocks, so that no bytes are read twice.
+        """
         decl, stacked = parameters.lookup(path)
-        if not (stacked and decl.hf.mxfp4):
-            raise ValueError(f"{path} is not stored as MXFP4")
-        idx = range(self._shapes[path][0])[layers if layers is not None else slice(None)]
-        j = KINDS.index(path.split("/")[1])
-        pairs = [
-            self._layer_mxfp4(2 * i + j, decl)
-            if 2 * i + j in self._mx_layers
-            else quantize_mxfp4(self._read_layer(2 * i + j, decl))
-            for i in idx
-        ]
-        return np.stack([b for b, _ in pairs]), np.stack([s for _, s in pairs])
+        shared = {} if shared is None else shared
+        if not stacked:
+            return self._layer_box(None, decl, tuple(box), part, shared)
+        (b0, b1), rest, j = box[0], tuple(box[1:]), KINDS.index(path.split("/")[1])
+        out = None
+        for k, i in enumerate(range(b0, b1)):
+            piece = self._layer_box(2 * i + j, decl, rest, part, shared)
+            if out is None:
+                out = np.empty((b1 - b0, *piece.shape), piece.dtype)
+            out[k] = piece
+        return out
+
+    # -- internals -----------------------------------------------------------------
+    def _layer_box(self, n: int | None, decl: Param, box: tuple, part, shared) -> np.ndarray:
+        """`read_box` for one HF layer n (None: a top-level tensor)."""
+        name = decl.hf.name if n is None else f"model.layers.{n}.{decl.hf.name}"
+        if part is None and not (decl.hf.mxfp4 and n in self._mx_layers):
+            return self._dense_box(name, decl, box)
+        # An expert weight [E, in, out]: our axes are the HF dense tensor's.
+        if decl.dims != decl.hf.dims:
+            raise AssertionError(f"internal: {name} is MXFP4 but not in its HF order")
+        e, mid, o = box
+        # The 32-input blocks under the box; `mid` counts inputs, words of 8, or blocks.
+        per = {None: mxfp4_array.BLOCK, 0: mxfp4_array.BLOCK // mxfp4_array.WORD, 1: 1}[part]
+        runs = [self._mx_blocks(n, decl, e, o, a, b, part, shared, edge)
+                for a, b, edge in _block_runs(mid, per)]  # fmt: skip
+        blocks, scales = (None if x[0] is None else np.concatenate(x, axis=2) for x in zip(*runs))
+        skip = mid[0] % per
+        if part is None:  # float32 [E, in, out]
+            return dequantize_mxfp4(blocks, scales)[:, skip : skip + mid[1] - mid[0]]
+        if part == 0:  # the words [E, in/8, out] (from_file's scales argument is unused here)
+            words = mxfp4_array.from_file(blocks, blocks[..., 0])[0]
+            return words[:, skip : skip + mid[1] - mid[0]]
+        return scales.swapaxes(-1, -2)
+
+    def _mx_blocks(self, n: int, decl: Param, e, o, k0, k1, part, shared, edge: bool):
+        """The file's (blocks, scales) of an expert weight's 32-input blocks [k0, k1), for
+        experts [e) and outputs [o) (None for the one `part` 0 / 1 does not need): read,
+        or quantized from the dense tensor. A block a neighbouring shard shares (`edge`) is
+        kept in `shared` for it, as are quantized scales (per block) for the scales' reads."""
+        key = (n, e, o, k0, k1, part)
+        if key in shared:
+            return shared[key]
+        quantized = [(n, e, o, k, "scales") for k in range(k0, k1)]
+        if part == 1 and all(q in shared for q in quantized):
+            return None, np.concatenate([shared.pop(q) for q in quantized], axis=2)
+        name = f"model.layers.{n}.{decl.hf.name}"
+        if n in self._mx_layers:
+            index = (slice(*e), _part(decl, *o), slice(k0, k1))
+            blocks = self._read(name + "_blocks", index) if part != 1 else None
+            scales = self._read(name + "_scales", index) if part != 0 else None
+        else:  # a dense folder: quantized from the dense bytes of these blocks
+            inputs = (k0 * mxfp4_array.BLOCK, k1 * mxfp4_array.BLOCK)
+            blocks, scales = quantize_mxfp4(self._dense_box(name, decl, (e, inputs, o)))
+            if part == 0:
+                shared.update((q, scales[:, :, i : i + 1]) for i, q in enumerate(quantized))
+        if edge:
+            shared[key] = (blocks, scales)
+        return blocks, scales
+
+    def _dense_box(self, name: str, decl: Param, box: tuple) -> np.ndarray:
+        """Our float32 layout of one HF tensor (a part of a fused one) within `box`. An
+        axis of merged HF letters ("NH") is read for its first letter's range, the others
+        whole (a box that splits head_dim reads its heads' whole rows)."""
+        ours, have = decl.dims.split(), dict(zip(decl.dims.split(), box))
+        index, sizes, rest = [], [], []
+        for group in decl.hf.dims.split():
+            (a, b), inner = have[group[0]], group[1:]
+            size = math.prod(self._sizes[c] for c in inner)
+            if decl.hf.part is not None and "F" in group:  # fused: every other element
+                index.append(_part(decl, a, b))
+            else:
+                index.append(slice(a * size, b * size))
+            sizes += [b - a, *(self._sizes[c] for c in inner)]
+            rest += [slice(None), *(slice(*have[c]) for c in inner)]
+        w = self._read(name, tuple(index)).reshape(sizes)[tuple(rest)]
+        flat = [c for group in decl.hf.dims.split() for c in group]
+        return np.transpose(w, [flat.index(c) for c in ours]).astype(np.float32, copy=False)
+
+    def _read(self, name: str, index: tuple) -> np.ndarray:
+        """A box of a stored tensor, copied from its file; its bytes are counted."""
+        t = self._tensors[name]
+        if t.file not in self._mapped:
+            self._mapped[t.file] = map_file(t.file)
+        a = read_part(self._mapped[t.file], t, index)
+        self.count.add(read=a.nbytes)
+        return a
 
     def _layer_mxfp4(self, n: int, decl: Param) -> tuple[np.ndarray, np.ndarray]:
         name = f"model.layers.{n}.{decl.hf.name}"
@@ -556,17 +683,20 @@ def _set(tree: dict, path: str, value: Any) -> None:
     tree[last] = value
 
 
-def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
+def load_sharded(
+    path: str | os.PathLike, abstract_params: Any, count: ReadCount | None = None
+) -> Any:
     """The checkpoint's parameters as sharded jax.Arrays laid out like `abstract_params`
     (a nested dict of jax.ShapeDtypeStruct with shardings, e.g. ModelDef.abstract_params).
 
-    Each device shard is filled by a callback that reads only the stacked blocks that
-    shard covers, so a host holds one tensor (or one range of layers) at a time, never the
-    whole model: a 120b MXFP4 checkpoint loads on hosts with far less RAM than 120b floats.
+    Each of this process's device shards is filled by a callback that reads only the bytes
+    under that shard (`HFCheckpoint.read_box`), once however many of its devices hold it:
+    on N hosts each reads about 1/N of the model (plus what they all replicate), and a
+    host never holds more of it than its devices do. What it read is added to `count`.
     """
     import jax
 
-    ckpt = HFCheckpoint(path)
+    ckpt = HFCheckpoint(path, count)
     out: dict[str, Any] = {}
     try:
         for p in ckpt.param_paths():
@@ -579,18 +709,18 @@ def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
                     f"but the model expects {tuple(target.shape)}"
                 )
             if hasattr(target, "blocks"):  # an MXFP4Array: the experts stay packed
-                cache: dict = {}
+                shared: dict = {}
                 value = type(target)(
                     *(
                         jax.make_array_from_callback(
-                            a.shape, a.sharding, _shard_reader(ckpt, p, a.dtype, part, cache)
+                            a.shape, a.sharding, _shard_reader(ckpt, p, a, part, shared)
                         )
                         for part, a in enumerate((target.blocks, target.scales))
                     )
                 )
             else:
                 value = jax.make_array_from_callback(
-                    tuple(target.shape), target.sharding, _shard_reader(ckpt, p, target.dtype)
+                    tuple(target.shape), target.sharding, _shard_reader(ckpt, p, target)
                 )
             _set(out, p, value)
     finally:
@@ -598,25 +728,19 @@ def load_sharded(path: str | os.PathLike, abstract_params: Any) -> Any:
     return out
 
 
-def _shard_reader(ckpt: HFCheckpoint, p: str, dtype: Any, part=None, last=None):
-    """Callback for make_array_from_callback: index (a tuple of slices) -> numpy shard.
-    Remembers the last read (in `last`, which an MXFP4 weight's blocks and scales share)
-    so devices sharing a layer range do not re-read it. part: 0 blocks, 1 scales."""
-    stacked = parameters.lookup(p)[1]
-    last = {} if last is None else last
+def _shard_reader(ckpt: HFCheckpoint, p: str, target, part=None, shared=None):
+    """Callback for make_array_from_callback: index (a tuple of slices) -> numpy shard of
+    `target` (its shape and dtype). Devices asking for the same index (replicas) get the
+    one read (JAX holds every device's value until the array is made: no extra memory).
+    part: 0 blocks, 1 scales of an MXFP4 weight; `shared` (read_box's) is the weight's."""
+    shape, dtype, done = tuple(target.shape), target.dtype, {}
+    shared = {} if shared is None else shared
 
     def read(index):
-        index = tuple(index)
-        layers = index[0] if stacked and index else None
-        key = (layers.start, layers.stop, layers.step) if layers is not None else None
-        if key not in last:
-            last.clear()
-            if part is not None:
-                last[key] = ckpt.read_mxfp4(p, layers)
-            else:
-                last[key] = ckpt.read(p, layers) if stacked else ckpt.read(p)
-        block = last[key] if part is None else mxfp4_array.from_file(*last[key])[part]
-        rest = index[1:] if stacked else index
-        return np.asarray(block[(slice(None),) + rest if stacked else rest], dtype=dtype)
+        box = tuple(s.indices(n)[:2] for s, n in zip(tuple(index), shape))
+        box += tuple((0, n) for n in shape[len(box) :])
+        if box not in done:
+            done[box] = np.asarray(ckpt.read_box(p, box, part, shared), dtype=dtype)
+        return done[box]
 
     return read

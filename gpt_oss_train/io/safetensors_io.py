@@ -5,7 +5,8 @@ its dtype, shape and [begin, end) byte offsets in the data that follows, then th
 ``read_header`` parses and validates a header (offsets consistent with dtype and shape,
 nothing past the end of the file) so a truncated or corrupt file fails with its name;
 ``write_safetensors`` writes a file one tensor at a time, so a writer never holds more
-than one tensor.
+than one tensor. ``read_part`` copies one box of a tensor out of a memory-mapped file:
+only those bytes are read.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import numpy as np
 
 from gpt_oss_train.errors import UserError
 
-__all__ = ["ST_DTYPES", "FLOAT_DTYPES", "TensorInfo", "read_header", "write_safetensors"]
+__all__ = [
+    "ST_DTYPES",
+    "FLOAT_DTYPES",
+    "TensorInfo",
+    "read_header",
+    "map_file",
+    "read_part",
+    "write_safetensors",
+]
 
 # safetensors dtype names.
 ST_DTYPES = {
@@ -49,19 +58,14 @@ class SafetensorsError(UserError):
 
 
 class TensorInfo:
-    """Where one tensor lies: its file, safetensors dtype name, shape and data byte range."""
+    """Where one tensor lies: its file, safetensors dtype name, shape, data byte range
+    [begin, end) and where the file's data starts (`data_start`, the header's end)."""
 
-    __slots__ = ("name", "file", "dtype", "shape", "begin", "end")
+    __slots__ = ("name", "file", "dtype", "shape", "begin", "end", "data_start")
 
-    def __init__(self, name, file, dtype, shape, begin, end):
-        self.name, self.file, self.dtype, self.shape, self.begin, self.end = (
-            name,
-            file,
-            dtype,
-            shape,
-            begin,
-            end,
-        )
+    def __init__(self, name, file, dtype, shape, begin, end, data_start=0):
+        self.name, self.file, self.dtype, self.shape = name, file, dtype, shape
+        self.begin, self.end, self.data_start = begin, end, data_start
 
 
 def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
@@ -121,13 +125,26 @@ def read_header(fpath: str) -> tuple[dict[str, TensorInfo], int]:
                 f"{8 + n + e} but the file has {size} bytes"
             )
         max_end = max(max_end, e)
-        out[name] = TensorInfo(name, fpath, st, shape, b, e)
+        out[name] = TensorInfo(name, fpath, st, shape, b, e, 8 + n)
     if max_end != data_len:
         raise SafetensorsError(
             f"safetensors file {fpath} is corrupt: {data_len} data bytes but the "
             f"header describes {max_end}"
         )
     return out, 8 + n
+
+
+def map_file(fpath: str) -> np.ndarray:
+    """A whole file mapped read-only (uint8): nothing is read until a part is copied."""
+    return np.memmap(fpath, dtype=np.uint8, mode="r")
+
+
+def read_part(mapped: np.ndarray, info: TensorInfo, index: tuple) -> np.ndarray:
+    """The box `index` (a tuple of slices, steps allowed) of tensor `info`, copied out of
+    its file as mapped by `map_file`: the pages under it are all that is read."""
+    start = info.data_start + info.begin
+    whole = mapped[start : start + info.end - info.begin].view(ST_DTYPES[info.dtype])
+    return np.array(whole.reshape(info.shape)[index])
 
 
 def write_safetensors(

@@ -99,6 +99,33 @@ def leaf_sharding(key_path, a, mesh, rules) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, sharding.fit_spec(spec, a.shape, mesh))
 
 
+def read_targets(dense_abstract: dict, fmt: str, packed_abstract: dict) -> dict:
+    """What to read each leaf of a checkpoint as, for a tree in `fmt`: a packed MXFP4
+    leaf as its blocks and scales (`packed_abstract`'s), a bfloat16 one in bfloat16, the
+    others (int8 ones included, quantized on the devices) as `dense_abstract` has them."""
+
+    def one(key_path, dense):
+        path = parameters.path_of(key_path)
+        form = form_of(path, fmt)
+        if form == "mxfp4":
+            leaf = packed_abstract
+            for k in path.split("/"):
+                leaf = leaf[k]
+            return leaf
+        if form == "bfloat16":
+            return jax.ShapeDtypeStruct(dense.shape, jnp.bfloat16, sharding=dense.sharding)
+        return dense
+
+    return jax.tree_util.tree_map_with_path(one, dense_abstract)
+
+
+def place(tree: dict, fmt: str, packed_abstract: dict) -> dict:
+    """`tree` (read with read_targets, or dense) converted to `fmt` on the devices, laid
+    out as packed_abstract (its input donated)."""
+    to_format = lambda p: convert(p, fmt)
+    return jax.jit(to_format, out_shardings=shardings(packed_abstract), donate_argnums=0)(tree)
+
+
 def shardings(abstract_tree: dict) -> Any:
     return jax.tree.map(lambda a: a.sharding, abstract_tree)
 

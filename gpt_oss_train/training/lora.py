@@ -13,7 +13,6 @@ never dequantized on the host; or an Orbax checkpoint) or made from `config.seed
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from gpt_oss_train import sharding
@@ -21,7 +20,7 @@ from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.checkpoints.checkpoint import LORA_META_KEY
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.io import storage
-from gpt_oss_train.model import frozen_base, lora, parameters
+from gpt_oss_train.model import frozen_base, lora
 from gpt_oss_train.model.transformer import ModelDef, Transformer
 
 
@@ -50,8 +49,7 @@ class FrozenBase:
         """The base in its format, from `dense` (a loaded param tree) or its source."""
         with sharding.use_mesh(self.mesh, self.rules):
             tree = self._read() if dense is None else dense
-            to_format = lambda p: frozen_base.convert(p, self.format)
-            return jax.jit(to_format, out_shardings=self.shardings, donate_argnums=0)(tree)
+            return frozen_base.place(tree, self.format, self.abstract)
 
     def _read(self):
         if not self.source:
@@ -60,22 +58,8 @@ class FrozenBase:
             return ckpt_lib.load_params(self.source, self.dense)[0]
         from gpt_oss_train.io import hf
 
-        return hf.load_sharded(self.source, self._hf_targets())
-
-    def _hf_targets(self):
-        """What to read each leaf as: packed MXFP4 experts as their blocks, other leaves
-        in the dtype they are kept in (int8 ones as trained, quantized on the devices)."""
-
-        def one(key_path, dense):
-            path = parameters.path_of(key_path)
-            form = frozen_base.form_of(path, self.format)
-            if form == "mxfp4":
-                return lora.get(self.abstract, path)
-            if form == "bfloat16":
-                return jax.ShapeDtypeStruct(dense.shape, jnp.bfloat16, sharding=dense.sharding)
-            return dense
-
-        return jax.tree_util.tree_map_with_path(one, self.dense)
+        targets = frozen_base.read_targets(self.dense, self.format, self.abstract)
+        return hf.load_sharded(self.source, targets)
 
     def reference(self) -> dict:
         """What an adapter checkpoint records about its base."""

@@ -2,7 +2,7 @@
 reasoning and tool calls):
 
     python -m gpt_oss_train.serve --checkpoint=DIR [--host=127.0.0.1 --port=8000
-        --max_slots=8 --max_context=N --dtype=float32 --int8_weights --int8_kv_cache
+        --max_slots=8 --max_context=N --dtype=float32 --weights=mxfp4 --int8_kv_cache
         --served_model_name=NAME --api_key=KEY --adapter=NAME=DIR,NAME2=DIR2
         --max_request_bytes=16777216 --grace_period_s=30 --config.mesh.tensor=2 ...]
 
@@ -110,6 +110,14 @@ def _define_flags():
     )
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Compute dtype.")
     flags.DEFINE_bool("int8_weights", False, "int8 weight-only quantized matmuls.")
+    flags.DEFINE_enum(
+        "weights",
+        "param_dtype",
+        ["param_dtype", "bfloat16", "int8", "mxfp4"],
+        "Keep the weights as: param_dtype (the runtime config's), bfloat16, int8, or mxfp4 "
+        "(the experts as MXFP4 blocks and scales, as the published checkpoints store them, "
+        "decoded inside the layers; the other matrices bfloat16).",
+    )
     flags.DEFINE_bool("int8_kv_cache", False, "int8 KV cache.")
     flags.DEFINE_integer(
         "max_request_bytes",
@@ -219,6 +227,7 @@ def _engine(f, adapters, positions: int, link: hosts.Link):
         max_context=positions,
         prefill_chunk=f.prefill_chunk,
         int8_weights=f.int8_weights,
+        weights=f.weights,
         int8_kv_cache=f.int8_kv_cache,
     )
     if f.max_queue:

@@ -167,6 +167,7 @@ class Engine:
         config=None,
         dtype: str | None = None,
         int8_weights: bool = False,
+        weights: str = "param_dtype",
         devices=None,
         compilation_cache: bool = True,
         adapters: Sequence[tuple[str, str]] = (),
@@ -182,6 +183,7 @@ class Engine:
         waiting for a slot), max_logprobs=20 (the most top alternatives a request may
         ask for). Options are checked before the checkpoint is read.
         `link`: the job's hosts.Link on several processes (see __init__).
+        `weights`: the form the weights are kept in (loading.load_model).
         `compilation_cache`: turn on JAX's persistent compilation cache (process-wide).
         `adapters`: LoRA adapters [(name, folder)] beside the base, as decode's --adapter:
         [("", folder)] is one adapter every request uses; named ones are chosen per
@@ -196,6 +198,7 @@ class Engine:
             config,
             dtype=dtype,
             int8_weights=int8_weights,
+            weights=weights,
             devices=devices,
             adapters=adapters,
         )

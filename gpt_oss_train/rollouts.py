@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from typing import NamedTuple
 
 import grain
 import numpy as np
@@ -40,6 +41,13 @@ from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import prompts as prompts_lib
 from gpt_oss_train.training import rewards as rewards_lib
 from gpt_oss_train.training import rl_losses
+
+
+class Sampled(NamedTuple):
+    """A rollout's completion: its tokens and the engine's log-probability of each."""
+
+    tokens: list[int]
+    logprobs: list[float]
 
 
 def sample_seed(seed: int, step: int, row: int) -> int:
@@ -124,19 +132,20 @@ class Rollouts:
         self.engine.model.params = params
         return self.engine
 
-    def _complete(self, state, prompts, params) -> list[list[int]]:
-        """Each prompt's completion tokens, on every process: process 0 schedules the
-        engine's rounds and the others run them with it (Engine.follow), then it sends
-        the completions, so every process scores and trains on the same rows."""
+    def _complete(self, state, prompts, params) -> list[Sampled]:
+        """Each prompt's completion, on every process: process 0 schedules the engine's
+        rounds and the others run them with it (Engine.follow), then it sends the
+        completions, so every process scores and trains on the same rows."""
         engine = self._engine(self._policy(state))
-        if not self.link.multihost:
-            return [c.tokens for c in engine.run_batch(prompts, params)]
         done = None
         if self.link.leader:
-            done = json.dumps([c.tokens for c in engine.run_batch(prompts, params)]).encode()
+            done = [Sampled(c.tokens, c.logprobs) for c in engine.run_batch(prompts, params)]
+            if not self.link.multihost:
+                return done
         else:
             engine.follow()
-        return json.loads(self.link.share(done))
+        shared = self.link.share(json.dumps(done).encode() if done is not None else None)
+        return [Sampled(*c) for c in json.loads(shared)]
 
     def _policy(self, state):
         """The parameters the engine samples from: the state's, with the base under LoRA."""
@@ -163,9 +172,9 @@ class Rollouts:
         """Each completion's total reward and each reward function's values."""
         totals = np.zeros(len(done), np.float64)
         per_fn = {name: np.zeros(len(done)) for name, _, _ in self.rewards}
-        for row, tokens in enumerate(done):
+        for row, completion in enumerate(done):
             rec = records[row // per_record]
-            record = rewards_lib.completion_record(tokens, self.tokenizer)
+            record = rewards_lib.completion_record(completion.tokens, self.tokenizer)
             totals[row], values = rewards_lib.score(self.rewards, rec.messages, record, rec.extra)
             for name, v in values.items():
                 per_fn[name][row] = v
@@ -192,13 +201,13 @@ class Rollouts:
         seq_len = self.c.train.seq_len
         rows = []
         for prompt, completion, a in zip(prompts, done, adv):
-            ids = prompt + completion
-            mask = [0] * len(prompt) + [1] * len(completion)
+            ids = prompt + completion.tokens
+            mask = [0] * len(prompt) + [1] * len(completion.tokens)
             row = data_lib.padded_row(ids, mask, seq_len)
             row["advantages"] = np.full(seq_len, a, np.float32)
             rows.append(row)
         local = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-        lengths = np.asarray([len(c) for c in done], np.float64)
+        lengths = np.asarray([len(c.tokens) for c in done], np.float64)
         metrics = {
             "reward": float(totals.mean()),
             "reward_std": float(totals.std()),

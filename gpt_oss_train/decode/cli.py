@@ -132,14 +132,7 @@ def define_flags():
     )
     flags.DEFINE_integer("prefill_chunk", 256, "Most prompt tokens per prefill step.")
     flags.DEFINE_bool("int8_weights", False, "int8 weight-only quantized matmuls.")
-    flags.DEFINE_enum(
-        "weights",
-        "param_dtype",
-        ["param_dtype", "bfloat16", "int8", "mxfp4"],
-        "Keep the weights as: param_dtype (the runtime config's), bfloat16, int8, or mxfp4 "
-        "(the experts as MXFP4 blocks and scales, as the published checkpoints store them, "
-        "decoded inside the layers; the other matrices bfloat16).",
-    )
+    loading.define_weights_flag()
     flags.DEFINE_bool("int8_kv_cache", False, "int8 KV cache.")
     flags.DEFINE_enum(
         "reasoning_effort",

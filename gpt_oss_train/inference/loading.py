@@ -147,6 +147,20 @@ class LoadedModel:
         return sharding.use_mesh(self.mesh, self.rules)
 
 
+def define_weights_flag():
+    """decode's and serve's --weights: load_model's `weights`."""
+    from absl import flags
+
+    flags.DEFINE_enum(
+        "weights",
+        "param_dtype",
+        list(frozen_base.FORMATS),
+        "Keep the weights as: param_dtype (the runtime config's), bfloat16, int8, or mxfp4 "
+        "(the experts as MXFP4 blocks and scales, as the published checkpoints store them, "
+        "decoded inside the layers; the other matrices bfloat16).",
+    )
+
+
 def runtime_config(config=None, dtype: str | None = None):
     config = default_runtime_config() if config is None else config
     if dtype:

@@ -146,6 +146,11 @@ def define_flags():
         "Most positions a sequence may use (prompt + "
         "generated); 0: the model's max_position_embeddings.",
     )
+    _define_mode_flags()
+
+
+def _define_mode_flags():
+    """The flags of one mode each: chat, score --data, benchmark."""
     flags.DEFINE_bool("show_analysis", False, "chat: print the analysis channel too.")
     flags.DEFINE_string(
         "data", None, "score: a training data source spec to evaluate on instead of --input."

@@ -2,11 +2,11 @@
 parameters, with gpt-oss-20b's 32 experts, top-4: hidden 768, 8 layers, 12 query / 4 KV
 heads of 64, expert hidden 768, vocabulary 32,768, window 128, batch 4 x 512.
 
-    python -m gpt_oss_train.tools.benchmark --mode=train --config=configs/cpu_bench.py \
+    python -m gpt_oss_train.tools.bench_model --mode=train --config=configs/cpu_bench.py \
         --compare_hf
 
 It is a benchmark shape, not a model to train: the vocabulary is cut to 32,768 (the
-tokenizer's ids go up to 201,088), so use it with tools.benchmark's random batches.
+tokenizer's ids go up to 201,088), so use it with tools.bench_model's random batches.
 """
 
 from gpt_oss_train.config import default_config

@@ -17,11 +17,10 @@
 
 Each step samples rl.group_size completions of global_batch_size / group_size prompts
 with the serving engine on the trained weights, scores them, and takes rl.num_iterations
-optimizer updates on them (training/rl_losses.py: group-normalised advantages, the
-clipped ratio to the sampling policy, the k3 KL to the reference when rl.kl_coef > 0;
-log-probs at rl.temperature). Full fine-tuning here: on the 2-layer model, rank-8
-adapters at learning rates from 1e-3 to 1e-2 barely moved the policy in 40 steps
-(docs/PERFORMANCE.md, GRPO).
+optimizer updates on them (gpt_oss_train/post_training/: group-normalised advantages,
+the clipped ratio to the sampling policy, the k3 KL to the reference when rl.kl_coef > 0;
+log-probs at rl.temperature). Full fine-tuning here: on the 2-layer model LoRA adapters
+barely move the policy (docs/PERFORMANCE.md, "Post-training on the CPU").
 """
 
 import os

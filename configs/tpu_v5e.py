@@ -6,12 +6,9 @@ ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequen
 4096 tokens per chip, full remat, splash attention, expert-parallel MoE, the unembedding
 gathered once for the loss (train.loss_gather_once).
 
-Checked from a CPU with the compiler the pod runs (libtpu 0.0.42.1, jax 0.10.2's pin;
-the launch scripts' 64 MiB scoped-VMEM limit), 2026-11-29:
+Check it from a CPU with the compiler the pod runs (the launch scripts' 64 MiB
+scoped-VMEM limit); its memory a chip and estimated step time are in docs/AOT.md:
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5e.py --topology=v5e:16x16
-  -> arguments 1.31 GiB, temporaries 8.86 GiB, total 10.38 GiB of 16 GiB per chip: fits;
-     the step model's estimate 1.54 s a step, 2,663 tokens/s a chip (docs/AOT.md).
-With expert=8 the same step needed 21.8 GiB (17.1 GiB with libtpu 0.0.52).
 `:gpt-oss-120b` gives the 120b shape; configs/tpu_v5p.py runs it on v5p:8x8x8.
 """
 

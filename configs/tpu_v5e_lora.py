@@ -16,15 +16,15 @@ their Adam state would add 2 GiB):
 
   gpt-oss-20b   one chip (16 GiB): sequences of 1024 tokens, and XLA's tiled grouped
                 matmul, which decodes one expert's weights at a time where megablox
-                needs a layer's 32 experts dense (1.5 GiB). Compiles to 15.41 GiB.
+                needs a layer's 32 experts dense (1.5 GiB).
   gpt-oss-120b  v5e:2x4 (8 chips: experts 8 ways over `expert`, 16 a chip, so no chip
                 gathers another's expert weights), sequences of 2048, XLA's grouped
                 matmul, and the expert-parallel rows in rounds of their balanced share
                 (moe_capacity_factor=1: the tokens of all 8 chips meet each chip's
                 experts, and a buffer sized for every pair landing on one chip would
-                take 8x). Compiles to 14.86 GiB a chip.
+                take 8x).
 
-Measured figures: docs/PERFORMANCE.md, "LoRA / QLoRA memory".
+What each compiles to, and the variants that do not fit: docs/AOT.md, "QLoRA memory".
 """
 
 from gpt_oss_train.config import default_config, model_preset

@@ -8,8 +8,7 @@ unembedding once (train.loss_gather_once: 95 GiB of HBM leave room for it).
 
 Checked from a CPU with the compiler the pod runs (docs/AOT.md has the figures):
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v5p.py --topology=v5p:8x8x8
-Pass `:gpt-oss-20b` for the 20b shape on the same slice (data 2 x fsdp 64 x expert 4:
-9.58 GiB a chip, 2026-11-29).
+Pass `:gpt-oss-20b` for the 20b shape on the same slice (data 2 x fsdp 64 x expert 4).
 """
 
 import os

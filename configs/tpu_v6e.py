@@ -3,20 +3,16 @@
   gpt-oss-20b   v6e-64 (8x8): experts 4 ways over `expert` (8 a chip), FSDP 16.
   gpt-oss-120b  v6e-256 (16x16): experts 16 ways (8 a chip), FSDP 16.
 
-One sequence of 4096 tokens a chip (two needed 33.6 GiB for 20b on 2026-11-28, before
-the expert products went bf16; not compiled since), tokens to their experts by ragged
-all-to-all (the TPU default; libtpu compiles it for v6e, not for v5e), the unembedding
-gathered once per loss (train.loss_gather_once).
+One sequence of 4096 tokens a chip, tokens to their experts by ragged all-to-all (the
+TPU default; libtpu compiles it for v6e, not for v5e), the unembedding gathered once per
+loss (train.loss_gather_once). The 120b keeps XLA's gated activation, whose backward
+frees one gradient before writing the other: the one-pass kernel does not fit there.
 
 configs/tpu_v5e.py's model, precision, remat and kernels otherwise. Checked from a CPU
-with the compiler the pod runs (docs/AOT.md has the figures):
+with the compiler the pod runs (docs/AOT.md has the memory a chip and step estimates):
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py --topology=v6e:8x8
-  -> 16.69 GiB of 32 a chip: fits (libtpu 0.0.42.1, 2026-11-29); the step model's estimate
-     1.00 s a step, 4,076 tokens/s a chip, HBM-bound
   python -m gpt_oss_train.tools.aot_compile --config=configs/tpu_v6e.py:gpt-oss-120b \
       --topology=v6e:16x16
-  -> 31.55 GiB of 32 a chip: fits, with 0.45 GiB to spare (2026-11-29); the estimate
-     3.93 s a step, 1,043 tokens/s a chip, HBM-bound
 """
 
 import os

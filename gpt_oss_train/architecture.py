@@ -1,10 +1,12 @@
-"""The GPT-OSS architecture as data: its fields, the published presets, and the checks
+"""The GPT-OSS architecture as data: its fields, the published presets, the checks
 every architecture passes, wherever it comes from (a config, a checkpoint's stored
-model config, a Hugging Face config.json). Plain dicts; nothing here imports jax.
+model config, a Hugging Face config.json), and the weights LoRA can adapt. Plain dicts;
+nothing here imports jax.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Mapping
 
@@ -89,6 +91,38 @@ PRESETS: dict[str, dict[str, Any]] = {
     # works), everything else shrunk. `tiny` is for unit tests, `small` for CPU runs.
     "tiny": _shrunk(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, window=8),
     "small": _shrunk(hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, experts=8, window=64),
+}
+
+
+# ------------------------------------------------------------------------- LoRA targets
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraTarget:
+    """A weight LoRA can adapt; model/parameters.py derives its A/B pair from the weight's
+    declaration (letters, logical axes, the tensors PEFT saves)."""
+
+    weights: tuple[str, ...]  # parameters.LAYER paths it adapts (a fused tensor's share A)
+    contract: str  # letters of W the input contracts with
+    peft: str  # PEFT's name: a module (target_modules) or a parameter (target_parameters)
+
+    @property
+    def is_parameter(self) -> bool:
+        """PEFT targets it with target_parameters (a bare nn.Parameter), not target_modules."""
+        return "." in self.peft
+
+
+# The LoRA targets, in the order a LoraSpec (config.py) lists them. Declared here, below
+# config, which checks and orders config.lora.targets by it; the model, above config, takes
+# it from here (model/parameters.py derives each target's A/B pair).
+LORA_TARGETS: dict[str, LoraTarget] = {
+    "q": LoraTarget(("attn/q_kernel",), "D", "q_proj"),
+    "k": LoraTarget(("attn/k_kernel",), "D", "k_proj"),
+    "v": LoraTarget(("attn/v_kernel",), "D", "v_proj"),
+    "o": LoraTarget(("attn/o_kernel",), "N H", "o_proj"),
+    "gate_up": LoraTarget(("moe/wi_gate", "moe/wi_up"), "D", "mlp.experts.gate_up_proj"),
+    "down": LoraTarget(("moe/wo",), "F", "mlp.experts.down_proj"),
+    "router": LoraTarget(("moe/router_kernel",), "D", "mlp.router.weight"),
 }
 
 

@@ -13,21 +13,20 @@ A config is an `ml_collections.ConfigDict` with these parts:
 `configs/*.py` are thin `get_config()` files over `default_config()`; any field can be
 overridden from the command line (`--config.model.num_layers=4`).
 
-This module sits below the model: it names the choices the model's registries are keyed
-by (REMAT_POLICIES, MOE_IMPLS, LORA_TARGETS; the model checks at import that its keys are
-these) and takes the kernels' names from kernels/registry.py.
+Each name a field accepts is declared once, where it is owned (see "Names" below).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import ml_collections
 
 from gpt_oss_train import architecture, sharding
 from gpt_oss_train import runtime as runtime_lib
-from gpt_oss_train.architecture import PRESETS
+from gpt_oss_train.architecture import LORA_TARGETS, PRESETS
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.kernels import Kernels, registry
 from gpt_oss_train.sharding import MESH_AXES
@@ -58,11 +57,14 @@ DEFAULT_RULES = (
     ("cache_head_dim", None),
 )
 
-# The names the config accepts for the model's registries, whose keys are these:
-# model/remat.POLICIES, model/moe.EXPERT_IMPLS, model/parameters.LORA_TARGETS.
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_moe")
-MOE_IMPLS = ("dense", "ragged", "sharded")
-LORA_TARGETS = ("q", "k", "v", "o", "gate_up", "down", "router")
+# Names. This module sits above kernels and below the model (tests/test_layering.py), so a
+# name list is declared once where its owner and this module can both see it: the kernels'
+# names in kernels/registry.py; the model's registries of code (model/remat.POLICIES,
+# model/moe.EXPERT_IMPLS) keep theirs and refuse an unknown config.remat_policy or
+# config.moe_impl themselves when a ModelDef is made, before any compute; the lists that
+# are plain data sit on a floor this module reads, below the model that takes them from
+# there: BASE_FORMATS here (model/frozen_base.py), and architecture.LORA_TARGETS, the table
+# of the weights LoRA can adapt, by which a LoraSpec orders its targets.
 DTYPES = ("float32", "bfloat16", "float16")
 OBJECTIVES = ("lm", "dpo", "grpo")  # config.train.objective; training/steps.py's OBJECTIVES
 GRPO_AVERAGINGS = ("sequence", "token", "dr_grpo")  # training/rl_losses.py's AVERAGINGS
@@ -70,8 +72,9 @@ GRPO_AVERAGINGS = ("sequence", "token", "dr_grpo")  # training/rl_losses.py's AV
 # float32 elsewhere (runtime.resolve_dtype, for the platform the program runs on); inference
 # under "auto" also keeps the weights in that dtype (inference/loading.py).
 COMPUTE_DTYPES = ("auto",) + DTYPES
-# How a LoRA run stores its frozen base: as trained (param_dtype), bfloat16, int8 with a
-# scale per output channel, or the published checkpoints' MXFP4 experts (blocks + scales).
+# How a LoRA run stores its frozen base (model/frozen_base.py): as trained (param_dtype),
+# bfloat16, int8 with a scale per output channel, or the published checkpoints' MXFP4
+# experts (blocks + scales).
 BASE_FORMATS = ("param_dtype", "bfloat16", "int8", "mxfp4")
 
 
@@ -91,9 +94,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.dtype = "auto"  # one of COMPUTE_DTYPES
     c.param_dtype = "float32"
     c.scan_layers = True  # lax.scan over 2-layer (banded, full) blocks
-    c.remat_policy = "full"  # one of REMAT_POLICIES
+    c.remat_policy = "full"  # a name in model/remat.POLICIES
     c.attention_block = 512  # query block of the blockwise attention
-    c.moe_impl = "ragged"  # one of MOE_IMPLS
+    c.moe_impl = "ragged"  # a name in model/moe.EXPERT_IMPLS
     # moe_impl="sharded" with its tokens gathered: > 0 runs each shard's rows in rounds of
     # this multiple of its share under balanced routing (still exact: rounds continue to
     # the last row); 0 sizes one pass for the worst routing (every pair on one shard).
@@ -107,7 +110,44 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh_dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=1))
     c.logical_axis_rules = DEFAULT_RULES
 
-    c.train = ml_collections.ConfigDict(
+    c.train = _train_defaults()
+    c.data = ml_collections.ConfigDict(
+        dict(
+            source="stdlib",  # see sources.py for the accepted forms
+            eval_source="",  # "" with source=stdlib: a held-out slice of it
+            shuffle=True,
+            num_workers=0,  # grain worker processes (0: in the main process)
+            max_docs=0,  # 0: all documents
+        )
+    )
+    c.checkpoint = ml_collections.ConfigDict(
+        dict(
+            every=50,
+            keep=3,
+            async_save=True,
+            init_from="",  # Orbax or HF dir: start from its params (fine-tuning)
+            # Failed saves a run survives (each tried again at the next checkpoint step);
+            # the one after them stops the run (exit 1). 0: stop at the first.
+            max_failed_saves=0,
+        )
+    )
+    c.dpo, c.rl = _post_training_defaults()
+    # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
+    c.lora = ml_collections.ConfigDict(
+        dict(
+            rank=0,
+            alpha=16.0,  # the adapters' output is scaled by alpha / rank
+            targets="q,k,v,o,gate_up,down",  # any of LORA_TARGETS, comma-separated
+            base_format="param_dtype",  # one of BASE_FORMATS
+        )
+    )
+    return c
+
+
+def _train_defaults() -> ml_collections.ConfigDict:
+    """config.train: the objective, the batch, the optimizer and its schedule, the losses,
+    and how often to log and evaluate."""
+    return ml_collections.ConfigDict(
         dict(
             # "lm": next-token loss on the loss mask. "dpo": preference pairs (data source
             # pairs:PATH, two rows a pair) against a frozen reference policy (config.dpo).
@@ -143,37 +183,6 @@ def default_config() -> ml_collections.ConfigDict:
             max_nonfinite_steps=5,
         )
     )
-    c.data = ml_collections.ConfigDict(
-        dict(
-            source="stdlib",  # see sources.py for the accepted forms
-            eval_source="",  # "" with source=stdlib: a held-out slice of it
-            shuffle=True,
-            num_workers=0,  # grain worker processes (0: in the main process)
-            max_docs=0,  # 0: all documents
-        )
-    )
-    c.checkpoint = ml_collections.ConfigDict(
-        dict(
-            every=50,
-            keep=3,
-            async_save=True,
-            init_from="",  # Orbax or HF dir: start from its params (fine-tuning)
-            # Failed saves a run survives (each tried again at the next checkpoint step);
-            # the one after them stops the run (exit 1). 0: stop at the first.
-            max_failed_saves=0,
-        )
-    )
-    c.dpo, c.rl = _post_training_defaults()
-    # LoRA (off at rank 0): the base is frozen in base_format; only the adapters train.
-    c.lora = ml_collections.ConfigDict(
-        dict(
-            rank=0,
-            alpha=16.0,  # the adapters' output is scaled by alpha / rank
-            targets="q,k,v,o,gate_up,down",  # any of LORA_TARGETS, comma-separated
-            base_format="param_dtype",  # one of BASE_FORMATS
-        )
-    )
-    return c
 
 
 def _post_training_defaults() -> tuple[ml_collections.ConfigDict, ml_collections.ConfigDict]:
@@ -216,8 +225,6 @@ def _post_training_defaults() -> tuple[ml_collections.ConfigDict, ml_collections
 def from_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
     """The config a `configs/*.py` file's get_config() returns, as `--config=path[:arg]`
     would give it (for tests, notebooks and tools that are not absl apps)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("gpt_oss_train_config_file", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -252,16 +259,15 @@ class LoraSpec:
 
 def parse_targets(targets, field: str = "config.lora.targets") -> tuple[str, ...]:
     """ "q,v,gate_up" (or a sequence) -> ("q", "v", "gate_up") in declaration order."""
+    choices = tuple(LORA_TARGETS)
     names = targets.split(",") if isinstance(targets, str) else list(targets)
     names = [n.strip() for n in names if n.strip()]
     unknown = [n for n in names if n not in LORA_TARGETS]
     if unknown:
-        raise ConfigError(
-            f"{field}: unknown LoRA target {unknown[0]!r}; choose from {LORA_TARGETS}"
-        )
+        raise ConfigError(f"{field}: unknown LoRA target {unknown[0]!r}; choose from {choices}")
     if not names:
-        raise ConfigError(f"{field}: no LoRA target given; choose from {LORA_TARGETS}")
-    return tuple(t for t in LORA_TARGETS if t in names)
+        raise ConfigError(f"{field}: no LoRA target given; choose from {choices}")
+    return tuple(t for t in choices if t in names)
 
 
 def spec_from_config(lora_config) -> LoraSpec | None:
@@ -347,20 +353,44 @@ def _check(cond: bool, field: str, msg: str):
 
 
 def validate(config: ml_collections.ConfigDict):
-    """Checks a whole config before any compute. Raises ConfigError (one line)."""
-    known_top = set(default_config().keys())
-    for k in config.keys():
-        _check(k in known_top, k, f"unknown field; valid fields are {sorted(known_top)}")
+    """Checks a whole config before any compute. Raises ConfigError (one line). The names
+    of the model's registries of code (remat_policy, moe_impl) are the model's to check,
+    when a ModelDef is made ("Names" above)."""
+    defaults = default_config()
+    _check_known(config, defaults)
     architecture.validate(config.model.to_dict())
     sections = ("train", "data", "checkpoint", "mesh", "mesh_dcn", "lora", "kernels", "dpo", "rl")
     for section in sections:
-        defaults = default_config()[section]
-        for k in config[section].keys():
-            _check(
-                k in defaults,
-                f"{section}.{k}",
-                f"unknown field; valid fields are {sorted(defaults.keys())}",
-            )
+        _check_known(config[section], defaults[section], f"{section}.")
+    _validate_compute(config)
+    for name in ("mesh", "mesh_dcn"):
+        _validate_mesh(name, config[name])
+    t = config.train
+    _validate_train(t)
+    if t.objective == "dpo":
+        _validate_dpo(config.dpo, t)
+    if t.objective == "grpo":
+        _validate_rl(config.rl, t)
+    _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
+    _check(config.checkpoint.max_failed_saves >= 0, "checkpoint.max_failed_saves", "must be >= 0")
+    _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    _validate_lora(config.lora)
+    _check(
+        config.model.max_position_embeddings >= t.seq_len,
+        "train.seq_len",
+        f"{t.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}",
+    )
+
+
+def _check_known(given: ml_collections.ConfigDict, defaults, prefix: str = ""):
+    """Every field of `given` (the config or one of its sections) is one `defaults` has."""
+    valid = sorted(defaults.keys())
+    for k in given.keys():
+        _check(k in defaults, f"{prefix}{k}", f"unknown field; valid fields are {valid}")
+
+
+def _validate_compute(config: ml_collections.ConfigDict):
+    """The top-level settings of how to compute: dtypes, kernels, attention and MoE."""
     _check(
         config.dtype in COMPUTE_DTYPES, "dtype", f"{config.dtype!r} is not one of {COMPUTE_DTYPES}"
     )
@@ -374,33 +404,30 @@ def validate(config: ml_collections.ConfigDict):
         "param_dtype",
         f"{config.param_dtype!r} is not one of {DTYPES}",
     )
-    _check(
-        config.remat_policy in REMAT_POLICIES,
-        "remat_policy",
-        f"{config.remat_policy!r} is not one of {REMAT_POLICIES}",
-    )
     for op, name in config.kernels.items():
         registry.validate_choice(op, name)
     _check(config.attention_block > 0, "attention_block", "must be > 0")
-    _check(
-        config.moe_impl in MOE_IMPLS, "moe_impl", f"{config.moe_impl!r} is not one of {MOE_IMPLS}"
-    )
-    for name in ("mesh", "mesh_dcn"):
-        sizes = config[name]
-        for ax in MESH_AXES:
-            _check(ax in sizes, f"{name}.{ax}", "missing mesh axis")
-            v = sizes[ax]
-            _check(
-                isinstance(v, int) and (v >= 1 or (v == -1 and name == "mesh")),
-                f"{name}.{ax}",
-                f"must be a positive integer{' or -1' if name == 'mesh' else ''}, got {v!r}",
-            )
+
+
+def _validate_mesh(name: str, sizes: ml_collections.ConfigDict):
+    """config.mesh (one axis may be -1: the devices left over) or config.mesh_dcn."""
+    for ax in MESH_AXES:
+        _check(ax in sizes, f"{name}.{ax}", "missing mesh axis")
+        v = sizes[ax]
         _check(
-            sum(1 for ax in MESH_AXES if sizes[ax] == -1) <= 1,
-            name,
-            "at most one axis may be -1 (it takes the devices left over)",
+            isinstance(v, int) and (v >= 1 or (v == -1 and name == "mesh")),
+            f"{name}.{ax}",
+            f"must be a positive integer{' or -1' if name == 'mesh' else ''}, got {v!r}",
         )
-    t = config.train
+    _check(
+        sum(1 for ax in MESH_AXES if sizes[ax] == -1) <= 1,
+        name,
+        "at most one axis may be -1 (it takes the devices left over)",
+    )
+
+
+def _validate_train(t: ml_collections.ConfigDict):
+    """config.train: the batch, the optimizer, the loss and the objective's name."""
     _check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
     _check(t.global_batch_size > 0, "train.global_batch_size", "must be > 0")
     _check(t.seq_len > 1, "train.seq_len", "must be > 1")
@@ -419,25 +446,23 @@ def validate(config: ml_collections.ConfigDict):
     _check(t.loss_chunk_size > 0, "train.loss_chunk_size", "must be > 0")
     _check(t.log_every > 0, "train.log_every", "must be > 0")
     _check(t.max_nonfinite_steps >= 1, "train.max_nonfinite_steps", "must be >= 1")
-    _check(t.objective in OBJECTIVES, "train.objective",
-           f"{t.objective!r} is not one of {OBJECTIVES}")  # fmt: skip
-    if t.objective == "dpo":
-        _check(config.dpo.beta > 0, "dpo.beta", f"must be > 0, got {config.dpo.beta}")
-        _check(0 <= config.dpo.label_smoothing < 0.5, "dpo.label_smoothing",
-               f"must be in [0, 0.5), got {config.dpo.label_smoothing}")  # fmt: skip
-        _check(t.global_batch_size % (2 * t.grad_accum_steps) == 0, "train.global_batch_size",
-               f"{t.global_batch_size} rows must hold whole preference pairs (two rows each) "
-               f"in each of the {t.grad_accum_steps} microbatches")  # fmt: skip
-    if t.objective == "grpo":
-        _validate_rl(config.rl, t)
-    _check(config.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0: only at the end)")
-    _check(config.checkpoint.max_failed_saves >= 0, "checkpoint.max_failed_saves", "must be >= 0")
-    _check(config.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-    _validate_lora(config.lora)
     _check(
-        config.model.max_position_embeddings >= t.seq_len,
-        "train.seq_len",
-        f"{t.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}",
+        t.objective in OBJECTIVES, "train.objective", f"{t.objective!r} is not one of {OBJECTIVES}"
+    )
+
+
+def _validate_dpo(dpo: ml_collections.ConfigDict, t: ml_collections.ConfigDict):
+    _check(dpo.beta > 0, "dpo.beta", f"must be > 0, got {dpo.beta}")
+    _check(
+        0 <= dpo.label_smoothing < 0.5,
+        "dpo.label_smoothing",
+        f"must be in [0, 0.5), got {dpo.label_smoothing}",
+    )
+    _check(
+        t.global_batch_size % (2 * t.grad_accum_steps) == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} rows must hold whole preference pairs (two rows each) "
+        f"in each of the {t.grad_accum_steps} microbatches",
     )
 
 

@@ -15,6 +15,10 @@ import os
 import re
 import sys
 
+from absl import app, flags
+
+from gpt_oss_train import logs
+
 
 class UserError(ValueError):
     """Something the user wrote or pointed at cannot be used; the message says which."""
@@ -58,6 +62,7 @@ _OVERRIDE_ERRORS = (AttributeError, KeyError, TypeError, ValueError)
 def define_config_flag(name: str, default: str, help_text: str):
     """config_flags.DEFINE_config_file, with a bad override applied to the default config
     right here reported in one line (exit 2)."""
+    # lazy: start-up (~50 ms; CLIs without a --config flag, e.g. tools.pretokenize, skip it)
     from ml_collections import config_flags
 
     try:
@@ -95,7 +100,7 @@ def config_file_error(name: str, value: str) -> UserError | None:
 def _config_flag_values(argv: list[str]) -> list[tuple[str, str]]:
     """(flag name, value) of each config-file flag given in argv, or left at its default
     (what ml_collections loads)."""
-    from absl import flags
+    # lazy: start-up (~50 ms; CLIs without a --config flag, e.g. tools.pretokenize, skip it)
     from ml_collections.config_flags import config_flags as cf
 
     found = []
@@ -134,8 +139,6 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with a bad flag or
     a --config file that cannot be read reported in one line, exit 2 (see override_error
     and config_file_error)."""
-    from absl import flags
-
     _check_config_files(argv)
     try:
         return flags.FLAGS(argv)
@@ -155,10 +158,6 @@ def json_error(e: json.JSONDecodeError) -> str:
 def run_command(body, argv: list[str]) -> int:
     """The body of a CLI's main(argv): no stray arguments, third-party logs quieted, and a
     UserError reported as one line (its exit status returned)."""
-    from absl import app
-
-    from gpt_oss_train import logs
-
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logs.quiet_library_logs()

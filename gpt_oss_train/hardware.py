@@ -1,7 +1,7 @@
 """Accelerator datasheet figures, one row per chip: dense bf16 peak FLOP/s (for MFU),
 HBM per device (for ahead-of-time memory checks), HBM bandwidth (for the decode
 bandwidth share and the step-time model) and interconnect bandwidth (for the step-time
-model's collectives, tools/step_model.py). Looked up by `jax.Device.device_kind`; unknown
+model's collectives, aot/step_model.py). Looked up by `jax.Device.device_kind`; unknown
 chips (CPUs included) give None, and so does a figure the sources do not state, so no
 figure is ever made up.
 
@@ -34,9 +34,12 @@ class Chip:
 def _split(devices: int, peak_flops: float, hbm_bytes: float, hbm_bandwidth: float, **links):
     """A chip shown as `devices` JAX devices, from its per-chip datasheet figures."""
     return Chip(
-        peak_flops / devices, hbm_bytes / devices, hbm_bandwidth / devices,
-        devices_per_chip=devices, **links,
-    )  # fmt: skip
+        peak_flops / devices,
+        hbm_bytes / devices,
+        hbm_bandwidth / devices,
+        devices_per_chip=devices,
+        **links,
+    )
 
 
 # Matched as case-insensitive substrings of device_kind, first match wins: the more

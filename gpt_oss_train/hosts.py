@@ -31,6 +31,7 @@ from typing import Callable
 
 import jax
 from absl import logging
+from jax._src import distributed  # the coordination service's key-value store
 
 from gpt_oss_train import errors, runtime, sharding
 
@@ -98,7 +99,6 @@ class Link:
         index, count = jax.process_index(), jax.process_count()
         if count == 1:
             return cls(0, 1, {})
-        from jax._src import distributed  # the coordination service's key-value store
 
         client = distributed.global_state.client
         key = f"gpt_oss_train/link/{next(_links)}"
@@ -200,8 +200,9 @@ class Link:
                     sock.sendall(frame)
                 except OSError:
                     if kind == _DATA:
-                        threading.Thread(target=self._lose, args=(i, "its connection broke"),
-                                         daemon=True).start()  # fmt: skip
+                        threading.Thread(
+                            target=self._lose, args=(i, "its connection broke"), daemon=True
+                        ).start()
 
     def _watch_followers(self) -> None:
         """Process 0: the others never write after their hello, so a readable connection
@@ -287,8 +288,6 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def _coordinator_host() -> str:
-    from jax._src import distributed
-
     address = distributed.global_state.coordinator_address or "localhost:0"
     return address.rpartition(":")[0].strip("[]") or "localhost"
 

@@ -7,7 +7,11 @@ points call `quiet_library_logs()` once; `--verbosity=1` (absl) brings everythin
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
+import sys
+
+from absl import logging
 
 
 class _LibraryFilter:
@@ -22,8 +26,6 @@ class _LibraryFilter:
     _ORBAX = f"{os.sep}orbax{os.sep}"
 
     def filter(self, record) -> bool:
-        import logging as std_logging
-
         if record.levelno >= std_logging.CRITICAL:
             return True
         if record.levelno >= std_logging.ERROR:
@@ -45,10 +47,6 @@ def _closed_loop_noise(unraisable) -> bool:
 def quiet_library_logs() -> None:
     """Keeps absl INFO for this project, warnings and errors for everyone (see
     _LibraryFilter and _closed_loop_noise for the exceptions)."""
-    import sys
-
-    from absl import logging
-
     if logging.get_verbosity() >= logging.DEBUG:
         return
     handler = logging.get_absl_handler()
@@ -68,7 +66,5 @@ def conversation_only() -> None:
     """For an interactive chat: library INFO and warnings (JAX's backend probe, Orbax's
     read-only notices) would interleave with the conversation, so only errors print,
     unless the user asked for more with --verbosity=1."""
-    from absl import logging
-
     if logging.get_verbosity() <= logging.INFO:
         logging.set_verbosity(logging.ERROR)

@@ -9,7 +9,8 @@ setup_compilation_cache() JAX's persistent compilation cache, on by default, so 
                           second run of the same command skips compiling
 reuse_freed_memory()      keep large freed buffers in the process for reuse (glibc)
 setup_process(platform)   what every command (train, decode, serve, tools) runs first:
-                          the cache, and on a CPU the reuse of freed buffers
+                          the cache, on a CPU the reuse of freed buffers, and every
+                          thread's Python stack on a native crash
 
 The platform is always the one of the mesh the program runs on (sharding.platform), so
 an ahead-of-time compile for a TPU on a CPU host resolves "auto" for the TPU.
@@ -18,6 +19,7 @@ an ahead-of-time compile for a TPU on a CPU host resolves "auto" for the TPU.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import os
 import platform as platform_lib
@@ -123,8 +125,10 @@ def reuse_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return all(libc.mallopt(p, ctypes.c_int(KEEP_FREED_BYTES)) == 1
-                   for p in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD))  # fmt: skip
+        return all(
+            libc.mallopt(p, ctypes.c_int(KEEP_FREED_BYTES)) == 1
+            for p in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)
+        )
     except (OSError, AttributeError):
         return False
 
@@ -133,6 +137,14 @@ def setup_process(platform: str) -> None:
     """What every command runs before its work: JAX's persistent compilation cache and,
     where the program runs on a CPU, the reuse of large freed buffers (a CPU workaround:
     an accelerator's buffers are not the host heap's)."""
+    # A crash in native code (a CPU kernel, XLA, TensorStore) prints every Python thread's
+    # stack to stderr before the process dies: which step, save or request was under way
+    # (a core dump, where enabled, then names the native frame).
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable(all_threads=True)
+        except (AttributeError, ValueError, OSError):  # stderr with no file (captured)
+            pass
     setup_compilation_cache()
     if platform == "cpu":
         reuse_freed_memory()

@@ -47,8 +47,10 @@ import socket
 import time
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from gpt_oss_train import errors, hosts
+from gpt_oss_train.inference import adapters as adapters_lib
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.loading import DecodeError
 
@@ -69,8 +71,6 @@ def get_config():
 
 
 def _define_flags():
-    from ml_collections import config_flags
-
     config_flags.DEFINE_config_file(
         "config", os.path.abspath(__file__), "Runtime config (mesh, dtype, kernels)."
     )
@@ -209,6 +209,7 @@ def open_host_warning(host: str, key: str | None) -> str | None:
 
 
 def _engine(f, adapters, positions: int, link: hosts.Link):
+    # lazy: start-up (the engine's modules, ~30 ms: not for --help or a bad flag)
     from gpt_oss_train.inference.engine import Engine
 
     kw = dict(
@@ -234,6 +235,7 @@ def serve(app_, sock: socket.socket, grace_s: float, access_log: bool = False) -
     """Run the app on the listening socket `sock` until SIGTERM / SIGINT, then drain
     (inference/server/drain.py) for up to `grace_s` seconds with the listener still
     accepting; returns once every request has had its answer."""
+    # lazy: start-up (fastapi and uvicorn, ~0.2 s; not for --help or a bad flag)
     import uvicorn
 
     from gpt_oss_train.inference.server.drain import FINISH_S
@@ -272,8 +274,6 @@ def serve(app_, sock: socket.socket, grace_s: float, access_log: bool = False) -
 def _run(f, link: hosts.Link) -> int:
     """Process 0 binds the port, takes the requests and schedules the engine; every other
     process loads its shards of the same model and runs process 0's rounds with it."""
-    from gpt_oss_train.inference import adapters as adapters_lib
-
     _check_flags(f)
     key = choose_api_key(f.api_key)
     warning = open_host_warning(f.host, key)
@@ -316,6 +316,7 @@ def _follow(eng) -> int:
 
 
 def _load_and_serve(f, adapters, positions, vocab: int, name: str, key, sock, link) -> int:
+    # lazy: start-up (fastapi, ~0.3 s; not for --help or a bad flag)
     from gpt_oss_train.inference.server.app import create_app
 
     eng = _engine(f, adapters, positions, link)

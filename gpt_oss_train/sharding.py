@@ -12,11 +12,13 @@ import contextlib
 import contextvars
 import functools
 import math
+import os
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,8 +72,6 @@ def make_mesh(
         )
     ici = resolve_axis_sizes(dict(mesh_sizes), len(devices) // num_slices, "mesh")
     if num_slices > 1:
-        from jax.experimental import mesh_utils
-
         # Splitting physical axes is what lets e.g. fsdp=32 x expert=8 lie on a 16x16 slice
         # (32 = 16 x 2); without it every such mesh fails here, with no fallback.
         grid = mesh_utils.create_hybrid_device_mesh(
@@ -79,8 +79,6 @@ def make_mesh(
         )
     else:
         try:
-            from jax.experimental import mesh_utils
-
             grid = mesh_utils.create_device_mesh(ici, devices=devices)
         except Exception:  # CPU or unusual topologies: plain order is as good as any
             grid = np.array(devices).reshape(ici)
@@ -249,8 +247,6 @@ def initialize_distributed():
     N local CPU processes, GKE JobSets) the launcher exports JAX_COORDINATOR_ADDRESS
     (host:port), JAX_PROCESS_COUNT and JAX_PROCESS_ID. A single process does nothing.
     """
-    import os
-
     addr = os.environ.get("JAX_COORDINATOR_ADDRESS")
     count = int(os.environ.get("JAX_PROCESS_COUNT", "1"))
     if addr and count > 1:

@@ -11,7 +11,8 @@ gs://bucket/run (io/storage.py). In order:
   3. the training setup (training/state.py): mesh, logical-axis rules, shardings, the
      jitted donated train step; the same one tools/aot_compile.py compiles for a TPU pod
   4. data: a grain pipeline per process, batches assembled into global arrays (GRPO:
-     prompts, whose batches the serving engine samples from the live policy, rollouts.py)
+     prompts, whose batches the serving engine samples from the live policy,
+     post_training/rollouts.py)
   5. state: the newest checkpoint in <workdir>/checkpoints that restores (a damaged one
      is logged and set aside), else init_from's params, else random ones
   6. loop: train_step (which skips an update whose loss or gradient norm is not finite),
@@ -31,11 +32,12 @@ import time
 import jax
 from absl import app, flags, logging
 
-from gpt_oss_train import architecture, errors, hardware, hosts, logs, rollouts, runtime, sharding
+from gpt_oss_train import architecture, errors, hardware, hosts, logs, runtime, sharding
 from gpt_oss_train import config as config_lib
 from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import ConfigError, RunStopped
 from gpt_oss_train.io import storage, workdir_lock
+from gpt_oss_train.post_training import rollouts
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import flops as flops_lib
 from gpt_oss_train.training import guards

@@ -1,5 +1,5 @@
-"""gpt_oss_train.tools.aot_compile: the real train step compiled for a TPU slice on this CPU
-machine.
+"""gpt_oss_train.tools.aot_compile (over gpt_oss_train.aot): the real train step compiled for
+a TPU slice on this CPU machine.
 
 Needs libtpu (the `tpu` extra), which CI does not install: skipped without it.
 """
@@ -103,8 +103,8 @@ def test_multi_slice_mesh_splits_physical_axes():
     # axis must run across the two slices, so only gradients cross the slow links.
     code = """
 from gpt_oss_train import sharding
-from gpt_oss_train.tools import aot_compile
-devices = aot_compile.topology_devices("v5e:4x4", num_slices=2)
+from gpt_oss_train.aot import tpu
+devices = tpu.devices("v5e:4x4", num_slices=2)
 mesh = sharding.make_mesh(dict(data=1, fsdp=8, tensor=1, expert=2),
                           dict(data=2, fsdp=1, tensor=1, expert=1), devices=devices)
 print(dict(mesh.shape))

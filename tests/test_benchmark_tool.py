@@ -1,4 +1,4 @@
-"""gpt_oss_train.tools.benchmark as a user runs it: one JSON record per measurement."""
+"""gpt_oss_train.tools.bench_model as a user runs it: one JSON record per measurement."""
 
 import json
 import os
@@ -18,7 +18,7 @@ def run(*args):
         [
             sys.executable,
             "-m",
-            "gpt_oss_train.tools.benchmark",
+            "gpt_oss_train.tools.bench_model",
             "--config=configs/cpu_tiny.py",
             "--config.train.global_batch_size=2",
             "--config.train.seq_len=16",

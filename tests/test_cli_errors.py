@@ -53,6 +53,15 @@ CASES = {
     "heads vs kv heads": (["--config.model.num_kv_heads=3"], "not divisible by num_kv_heads=3"),
     "non-finite limit": (["--config.train.max_nonfinite_steps=0"], "max_nonfinite_steps"),
     "negative capacity": (["--config.moe_capacity_factor=-1.0"], "config.moe_capacity_factor"),
+    # Names the model's registries own, refused by the model when it is built
+    "unknown MoE strategy": (
+        ["--config.moe_impl=nope"],
+        "config.moe_impl: 'nope' is not one of ('dense', 'ragged', 'sharded')",
+    ),
+    "unknown remat policy": (
+        ["--config.remat_policy=nope"],
+        "config.remat_policy: 'nope' is not one of ('none', 'full', 'save_dots'",
+    ),
     "unknown kernel": (
         ["--config.kernels.attention=nope"],
         "config.kernels.attention: 'nope' is not one of ('auto', 'xla', 'blockwise'",

@@ -191,7 +191,7 @@ def test_score_matches_transformers(hf_dir, hf_model):
 
 
 def test_score_of_text_equals_training_loss(workdir):
-    from gpt_oss_train.training.steps import make_loss_fn  # what the train step uses
+    from gpt_oss_train.training.objectives import make_loss_fn  # what the train step uses
 
     model = loading.load_model(workdir, dtype="float32")
     text = "def add(a, b):\n    return a + b\n"

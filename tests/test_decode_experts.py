@@ -163,13 +163,13 @@ def test_dense_kernel_lowers_to_triton_for_cuda():
 
 
 @pytest.mark.full
-def test_bench_moe_decode_tool_reports_each_backend(run_tool_json):
-    """The bench_moe_decode tool in interpret mode on tiny shapes (9 tokens x top-2 of 4
-    experts: every expert chosen): one record per (batch, back-end)."""
+def test_bench_moe_decode_kernels_report_each_backend(run_tool_json):
+    """bench_moe's decode_kernels mode in interpret mode on tiny shapes (9 tokens x top-2 of
+    4 experts: every expert chosen): one record per (batch, back-end)."""
     run_tool = run_tool_json
     rows = run_tool(
-        "bench_moe_decode", "--batch_sizes=1,9", "--experts=4", "--top_k=2", "--hidden=64",
-        "--intermediate=32", "--routings=2", "--steps=1", "--interpret",
+        "bench_moe", "--mode=decode_kernels", "--tokens=1,9", "--experts=4", "--k=2",
+        "--hidden=64", "--expert_hidden=32", "--routings=2", "--steps=1", "--interpret",
     )  # fmt: skip
     assert [(r["batch"], r["impl"]) for r in rows] == [
         (b, impl) for b in (1, 9) for impl in ("ragged", "tiled", "mxfp4")

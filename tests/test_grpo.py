@@ -16,10 +16,10 @@ import time
 import pytest
 
 from gpt_oss_train import config as config_lib
-from gpt_oss_train import rollouts
 from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import ConfigError
-from gpt_oss_train.training.rewards import RewardError
+from gpt_oss_train.post_training import rollouts
+from gpt_oss_train.post_training.rewards import RewardError
 from gpt_oss_train.training.sources import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -313,10 +313,10 @@ def test_the_learner_takes_log_probs_at_the_sampling_temperature():
     from the same logits."""
     import numpy as np
 
-    from gpt_oss_train.training import steps
+    from gpt_oss_train.training import objectives
 
     c, md, params, batch, _, logits = _tiny_grpo_step_inputs()
-    got, _ = steps.policy_logprobs(md, c.train, params, batch, temperature=2.0)
+    got, _ = objectives.policy_logprobs(md, c.train, params, batch, temperature=2.0)
     hidden, kernel = logits(params)
     z = np.einsum("bsd,dv->bsv", np.float64(hidden), np.float64(kernel)) / 2.0
     z -= z.max(-1, keepdims=True)

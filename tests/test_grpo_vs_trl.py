@@ -1,4 +1,4 @@
-"""The pure parts of tools/grpo_vs_trl.py (no training): the reward TRL calls, the prompts
+"""The pure parts of tools/bench_grpo_vs_trl.py (no training): the reward TRL calls, the prompts
 in our order, our schedule as TRL's factors, and the summary of a run."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("trl")
 
 from gpt_oss_train.io import tokenizer as tk
-from gpt_oss_train.tools import grpo_vs_trl as gvt
+from gpt_oss_train.tools import bench_grpo_vs_trl as gvt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,3 +80,25 @@ def test_summary_leaves_out_step_one():
     s = gvt.summary(side)
     assert (s["step_s"], s["rollout_s"], s["learn_s"]) == (2.0, 0.5, 1.5)
     assert s["reward_last"] == pytest.approx(0.3) and s["reward_first"] == 0.1
+
+
+def test_trl_takes_our_optimizer_and_settings(config, tmp_path):
+    """TRL's optimizer, schedule and GRPOConfig, read from our config: AdamW with our
+    betas and decay at our learning rate for each update, and the shared settings."""
+    import torch
+
+    t, rl = config.train, config.rl
+    opt, sched = gvt.our_optimizer(config, torch.nn.Linear(2, 2))
+    assert opt.param_groups[0]["betas"] == (t.b1, t.b2)
+    assert opt.param_groups[0]["weight_decay"] == t.weight_decay
+    lrs = []
+    for _ in range(t.steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([f * t.learning_rate for f in gvt.lr_factors(config)])
+    args = gvt.trl_config(config, str(tmp_path), {"reasoning_effort": rl.reasoning_effort})
+    assert (args.max_steps, args.per_device_train_batch_size) == (t.steps, t.global_batch_size)
+    assert (args.num_generations, args.max_completion_length) == (rl.group_size, 8)
+    assert args.loss_type == gvt.LOSS_TYPES[rl.averaging] and args.beta == rl.kl_coef
+    assert args.chat_template_kwargs == {"reasoning_effort": rl.reasoning_effort}

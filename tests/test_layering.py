@@ -21,7 +21,9 @@ FLOORS = (
     ("checkpoints",),
     ("inference",),
     ("training",),
-    ("train", "rollouts", "decode", "serve", "tools"),
+    ("post_training",),
+    ("aot",),
+    ("train", "decode", "serve", "tools"),
 )
 FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 
@@ -90,6 +92,21 @@ def test_inference_imports_neither_training_nor_decode(graph):
         if d != "gpt_oss_train" and _unit(d) in ("training", "decode")
     )
     assert not upward, "\n".join(upward)
+
+
+def test_only_tools_import_aot(graph):
+    """The ahead-of-time compile (aot/) is the library of tools/' commands alone: train,
+    decode and serve (on the floor above it) never load it, nor does anything below."""
+    importers = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if _unit(m) not in ("aot", "tools")
+        for d in deps
+        if d != "gpt_oss_train" and _unit(d) == "aot"
+    )
+    assert not importers, "\n".join(importers)
+    tools = {d for m, deps in graph.items() if _unit(m) == "tools" for d in deps}
+    assert "gpt_oss_train.aot.check" in tools, sorted(tools)  # the edge is seen at all
 
 
 def test_no_import_cycles(graph):

@@ -10,9 +10,11 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
+from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.kernels import Kernels
 from gpt_oss_train.kernels.xla import attention as attn_lib
 from gpt_oss_train.model import moe as moe_lib
+from gpt_oss_train.model import remat
 from gpt_oss_train.model.transformer import ModelDef, rope_frequencies
 
 
@@ -33,6 +35,21 @@ def tiny_cfg(**kw):
     )
     mc = config_lib.ModelConfig.from_config(c)
     return mc.replace(**kw)
+
+
+@pytest.mark.parametrize(
+    "field,names", [("remat_policy", remat.POLICIES), ("moe_impl", moe_lib.EXPERT_IMPLS)]
+)
+def test_the_model_refuses_a_name_its_registry_lacks(field, names):
+    """config.remat_policy and config.moe_impl name entries of the model's registries,
+    which config (below the model) cannot see: ModelDef refuses any other name in one
+    line that lists the registry's, and builds with every name it has."""
+    mc = tiny_cfg()
+    with pytest.raises(ConfigError) as e:
+        ModelDef(mc.replace(**{field: "nope"}))
+    assert str(e.value) == f"config.{field}: 'nope' is not one of {tuple(names)}"
+    for name in names:
+        assert ModelDef(mc.replace(**{field: name})).cfg == mc.replace(**{field: name})
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -23,7 +23,7 @@ from gpt_oss_train.io import peft as peft_io  # noqa: E402
 from gpt_oss_train.model import lora  # noqa: E402
 from gpt_oss_train.model.transformer import ModelDef  # noqa: E402
 from gpt_oss_train.training import lora as lora_training  # noqa: E402
-from gpt_oss_train.training import steps  # noqa: E402
+from gpt_oss_train.training import objectives  # noqa: E402
 
 pytestmark = pytest.mark.full  # PEFT's reference on transformers: over a minute
 
@@ -153,7 +153,7 @@ def test_adapter_gradients_equal_peft_float64(hf_base, tmp_path):
         segment_ids=np.ones((b, s)), loss_mask=np.ones((b, s)),
     )  # fmt: skip
     batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
-    loss_fn = steps.make_loss_fn(ModelDef(mc), config.train)
+    loss_fn = objectives.make_loss_fn(ModelDef(mc), config.train)
     ours = jax.jit(jax.grad(lambda a: loss_fn(a, batch, base)[0] / (b * s)))(adapters)
     ours = peft_io.to_peft_tensors(mc.lora, jax.device_get(ours), arch["num_layers"])
 

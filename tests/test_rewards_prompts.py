@@ -1,5 +1,5 @@
-"""Tests of GRPO's reward side (gpt_oss_train.training.rewards) and prompt sources
-(gpt_oss_train.training.prompts), on real tokenizer ids, math-verify and reasoning-gym."""
+"""Tests of GRPO's reward side (gpt_oss_train.post_training.rewards) and prompt sources
+(gpt_oss_train.post_training.prompts), on real tokenizer ids, math-verify and reasoning-gym."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from gpt_oss_train.errors import ConfigError, UserError
 from gpt_oss_train.io import tokenizer as tk
-from gpt_oss_train.training import prompts, rewards
+from gpt_oss_train.post_training import prompts, rewards
 from gpt_oss_train.training.sources import DataError
 
 
@@ -135,7 +135,7 @@ def test_load_rewards_builtins_and_weights():
         ("exact_answer", rewards.exact_answer, 1.0),
         ("format", rewards.format, 0.5),
     ]
-    full = "gpt_oss_train.training.prompts:reasoning_gym_score"
+    full = "gpt_oss_train.post_training.prompts:reasoning_gym_score"
     assert rewards.load_rewards(full, "") == [(full, prompts.reasoning_gym_score, 1.0)]
     total, per = rewards.score(loaded, PROMPT, _completion("\\boxed{42}"), {"answer": "42"})
     assert per == {"exact_answer": 1.0, "format": 1.0} and total == 1.5
@@ -346,7 +346,7 @@ def test_reasoning_gym_needs_no_network(tmp_path):
                 raise RuntimeError(f"network access: {event} {args}")
 
         sys.addaudithook(no_network)
-        from gpt_oss_train.training import prompts, rewards
+        from gpt_oss_train.post_training import prompts, rewards
 
         src = prompts.make_prompt_source("rl:reasoning_gym:basic_arithmetic:3", seed=0)
         rec = src[0]

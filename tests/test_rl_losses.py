@@ -1,6 +1,7 @@
-"""DPO and GRPO objectives (training/rl_losses.py): values, statistics and gradients in
-float32 JAX against float64 numpy references written here from the formulas, the exactness
-of summing microbatches, and the argument checks."""
+"""DPO and GRPO objectives (training/rl_losses.py) and GRPO's group advantages
+(post_training/rollouts.py): values, statistics and gradients in float32 JAX against
+float64 numpy references written here from the formulas, the exactness of summing
+microbatches, and the argument checks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpt_oss_train.post_training.rollouts import group_advantages
 from gpt_oss_train.training import rl_losses as rl
 
 TIGHT = dict(rtol=1e-5, atol=1e-7)
@@ -89,7 +91,7 @@ def test_group_advantages_match_float64():
     centred = g - g.mean(1, keepdims=True)
     scaled = centred / (g.std(1, ddof=1, keepdims=True) + 1e-4)
     for scale, want in ((False, centred), (True, scaled)):
-        got = rl.group_advantages(jnp.asarray(r), 4, scale=scale)
+        got = group_advantages(jnp.asarray(r), 4, scale=scale)
         np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-5, atol=1e-6)
         assert not np.any(np.asarray(got)[8:])
 
@@ -223,4 +225,4 @@ def test_bad_arguments_raise_one_clear_line():
     with pytest.raises(ValueError, match="needs ref_logp"):
         rl.grpo_sums(logp, old, adv, mask, kl_coef=0.1)
     with pytest.raises(ValueError, match="groups of 4"):
-        rl.group_advantages(jnp.zeros(10), 4)
+        group_advantages(jnp.zeros(10), 4)

@@ -1,7 +1,7 @@
-"""The training setup is built once (training/state.py) for train.py, tools.aot_compile
-and tools.benchmark: the step train.py runs on real arrays and the step aot_compile.py
-compiles from abstract values lower to the same program, so the AOT memory verdict
-describes what a pod runs."""
+"""The training setup is built once (training/state.py) for train.py, the AOT compile
+(aot/train_step.py) and tools.bench_model: the step train.py runs on real arrays and the
+step the AOT compile lowers from abstract values are the same program, so the AOT memory
+verdict describes what a pod runs."""
 
 import os
 
@@ -10,7 +10,7 @@ import pytest
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import train as train_lib
-from gpt_oss_train.tools import aot_compile
+from gpt_oss_train.aot import train_step
 from gpt_oss_train.training import data as data_lib
 
 pytestmark = pytest.mark.full  # the AOT tool's lowering beside training's
@@ -30,7 +30,7 @@ def test_train_and_aot_compile_lower_the_same_step(tmp_path):
         trained = run.setup.train_step.lower(run.state, batch).as_text()
     run.close()
 
-    _, aot = aot_compile.lower_train_step(config, jax.devices())
+    _, aot = train_step.lower(config, jax.devices())
     assert aot.as_text() == trained
     # the program is the real step: sharded over the 8 devices, its state donated
     assert "num_partitions = 8" in trained and "tf.aliasing_output" in trained

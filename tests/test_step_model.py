@@ -1,4 +1,4 @@
-"""gpt_oss_train.tools.step_model: the per-step account of a compiled program read from its
+"""gpt_oss_train.aot.step_model: the per-step account of a compiled program read from its
 optimized HLO, against numbers counted by hand: a shard_map program compiled on the 8 CPU
 devices, a hand-written module in TPU's forms (no known trip count, on-chip buffers, async
 collective fusions, a reduce-scatter fusion, a padded convolution, a Pallas call), the
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpt_oss_train import hardware
-from gpt_oss_train.tools import hlo_text, step_model
+from gpt_oss_train.aot import hlo_text, step_model
 
 TRIPS = 5
 # Per device: x [8, 16] @ w [16, 32] -> y [8, 32] f32, summed over "model" (4 devices),
@@ -528,7 +528,7 @@ Total bytes: 1024 (1.00KiB)
 
 
 def test_memory_report_lists_the_temporaries_only(tmp_path):
-    from gpt_oss_train.tools.aot_compile import memory_report
+    from gpt_oss_train.aot.check import memory_report
 
     (tmp_path / "module_0001.jit_train_step.memory-usage-report.txt").write_text(MEMORY_REPORT)
     total, rows = memory_report(str(tmp_path), 5)
@@ -537,7 +537,7 @@ def test_memory_report_lists_the_temporaries_only(tmp_path):
 
 
 def test_maxtext_names_a_slice_by_its_chips_or_cores():
-    from gpt_oss_train.tools.maxtext_compile import maxtext_topology
+    from gpt_oss_train.aot.maxtext import maxtext_topology
 
     assert maxtext_topology("v5e:16x16") == "v5e-256"
     assert maxtext_topology("v6e:8x8") == "v6e-64"
@@ -549,7 +549,7 @@ def test_dilated_window_taps_counted_in_closed_form():
     """The (output, kernel) pairs of a dilated convolution window that land on input
     elements, in closed form (a weight gradient written as a convolution can dilate by
     tens of thousands), equal a count over every position."""
-    from gpt_oss_train.tools.hlo_costs import _landing
+    from gpt_oss_train.aot.hlo_costs import _landing
 
     rng = np.random.RandomState(0)
     for _ in range(3000):

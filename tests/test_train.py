@@ -189,7 +189,8 @@ def test_stop_then_resume_reproduces_the_uninterrupted_run(tmp_path, sig, after)
     from the newest complete checkpoint to the uninterrupted run's losses."""
     full, cut = tmp_path / "full", tmp_path / "cut"
     cmd, env = _cli(full)
-    assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True).returncode == 0
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]  # a crash: every thread's stack
     cmd, env = _cli(cut)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True

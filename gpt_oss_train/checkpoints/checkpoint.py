@@ -29,8 +29,11 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from absl import logging
+from jax.experimental import multihost_utils
 
 from gpt_oss_train import architecture
 from gpt_oss_train.checkpoints import integrity
@@ -179,8 +182,6 @@ def _agree(problem: str | None) -> str | None:
     """A problem any process found, on every process (restores read different shards)."""
     if jax.process_count() == 1:
         return problem
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     found = multihost_utils.process_allgather(np.array(problem is not None))
     if problem is None and found.any():
@@ -282,8 +283,6 @@ def storage_bytes_read() -> int | None:
     reads only the chunks under this process's shards, where TensorStore merges nearby
     reads into one). None where TensorStore keeps no metrics."""
     try:
-        import tensorstore as ts
-
         metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
     except (ImportError, AttributeError):
         return None
@@ -386,7 +385,7 @@ class TrainCheckpointer:
             **self.extra_meta,
             **(meta or {}),
         }
-        import grain
+        import grain  # lazy: start-up (~0.25 s; serve never saves)
 
         args = ocp.args.Composite(
             **{
@@ -549,8 +548,6 @@ class TrainCheckpointer:
                 storage.move(storage.join(self.directory, str(step)), target)
                 logging.error("CHECKPOINT DAMAGED: step %d moved to %s (not deleted)", step, target)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("gpt_oss_train:damaged_checkpoints_moved")
         self._mngr.reload()
 

@@ -1,7 +1,7 @@
 """Decode throughput: time to first token, prefill and decode tokens/s, and the same
 for transformers' `generate` on the same weights in the same run.
 
-Used by `decode --mode=benchmark` (a checkpoint) and `tools/benchmark.py --mode=decode`
+Used by `decode --mode=benchmark` (a checkpoint) and `tools/bench_model.py --mode=decode`
 (random weights of any shape). Every figure is a median over repeats after a warm-up
 that compiles; decode is timed apart from prefill. `summarize_trace` reads a JAX
 profiler trace of such a run: where the device time went, kernel by kernel.
@@ -112,6 +112,7 @@ def hf_benchmark(
     """transformers' GptOssForCausalLM.generate, greedy, on (batch, length, prompts) cases:
     time to first token = generate(1 token); decode tokens/s from the time the other
     max_new_tokens - 1 tokens add."""
+    # lazy: start-up (torch and transformers take seconds; only --compare_hf uses them)
     import torch
     import transformers
 

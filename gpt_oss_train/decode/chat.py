@@ -178,7 +178,7 @@ def run_chat(model, opts, stdin=None, stdout=None, link: hosts.Link | None = Non
             or [
                 {
                     "role": "assistant",
-                    "content": loading.completion_text(out["tokens"], "stop") or "",
+                    "content": loading.completion_text(out["tokens"], stop_reason="stop") or "",
                 }
             ]
         )

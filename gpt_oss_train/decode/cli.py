@@ -63,7 +63,7 @@ import sys
 from absl import app, flags, logging
 
 from gpt_oss_train import errors, hosts, logs
-from gpt_oss_train.decode import requests
+from gpt_oss_train.decode import benchmarking, chat, requests
 from gpt_oss_train.inference import adapters as adapters_lib
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.generate import SamplingParams
@@ -286,8 +286,6 @@ def _run(f, link: hosts.Link) -> int:
     if f.mode == "score":
         return _score_data(model, f, link)
     if f.mode == "chat":
-        from gpt_oss_train.decode import chat
-
         return chat.run_chat(model, opts, link=link)
     raise AssertionError(f"unhandled mode {f.mode}")
 
@@ -316,8 +314,6 @@ def _score_data(model, f, link: hosts.Link) -> int:
 def _benchmark(load, f, opts, link: hosts.Link) -> int:
     """Our timings, then transformers' on the same checkpoint (--compare_hf) once our copy
     of the weights is freed: `load` makes the model, so no caller keeps a reference."""
-    from gpt_oss_train.decode import benchmarking
-
     model = load()
     batch_sizes = _positive_ints(f.batch_sizes, "batch_sizes")
     prompt_lengths = _positive_ints(f.prompt_lengths, "prompt_lengths")

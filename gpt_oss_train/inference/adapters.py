@@ -25,9 +25,10 @@ import numpy as np
 from gpt_oss_train import architecture
 from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.checkpoints.checkpoint import LORA_META_KEY
-from gpt_oss_train.config import LoraSpec, parse_targets
+from gpt_oss_train.config import LoraSpec, ModelConfig, parse_targets
 from gpt_oss_train.io import peft as peft_io
 from gpt_oss_train.model import lora, parameters
+from gpt_oss_train.model.transformer import ModelDef
 
 AdapterError = peft_io.AdapterError
 
@@ -110,10 +111,7 @@ def read_adapter(path: str, arch: Mapping[str, Any], name: str = "") -> Adapter:
 
 def _abstract(spec: LoraSpec, arch: Mapping[str, Any]) -> dict:
     """The adapter tree's shapes for a base, on one device (restored to host after)."""
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train.model.transformer import ModelDef
-
-    cfg = config_lib.ModelConfig(**arch).replace(lora=spec)
+    cfg = ModelConfig(**arch).replace(lora=spec)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shapes = lora.split(ModelDef(cfg).abstract_params())[1]
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), shapes)
@@ -168,7 +166,6 @@ def attach(model, named: Sequence[tuple[str, str]]):
         spec, tree = read[0].spec, read[0].tree
     else:
         spec, tree = stack(read, arch)
-    from gpt_oss_train.model.transformer import ModelDef
 
     model.md = ModelDef(model.cfg.replace(lora=spec))
     shardings = lora.split(model.md.shardings(model.mesh, model.rules))[1]

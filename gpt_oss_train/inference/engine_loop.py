@@ -431,14 +431,23 @@ class EngineLoop:
             if kind == "prefill":
                 args = (p, self.cache, np.int32(0), np.zeros_like(positions), positions)
                 out, self.cache = s.prefill(
-                    *args, np.int32(0), settings, np.zeros(1, bool), np.zeros(1, np.int32),
+                    *args,
+                    np.int32(0),
+                    settings,
+                    np.zeros(1, bool),
+                    np.zeros(1, np.int32),
                     context=context,
-                )  # fmt: skip
+                )
             else:
                 out, self.cache = s.decode(
-                    *args, positions, settings, np.zeros(n, bool), np.zeros(n, np.int32),
-                    rows=n, context=context,
-                )  # fmt: skip
+                    *args,
+                    positions,
+                    settings,
+                    np.zeros(n, bool),
+                    np.zeros(n, np.int32),
+                    rows=n,
+                    context=context,
+                )
         if s.pool_blocks:
             dropped = np.full(s.prefill_chunk // s.block, s.pool_blocks, np.int32)
             self.pool = s.save(self.pool, self.cache, np.int32(0), np.int32(0), dropped)

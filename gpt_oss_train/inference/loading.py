@@ -16,17 +16,18 @@ import time
 from typing import Any, Sequence
 
 import jax
-from absl import logging
+from absl import flags, logging
 
 from gpt_oss_train import architecture, runtime, sharding
 from gpt_oss_train import config as config_lib
 from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import UserError
+from gpt_oss_train.inference import adapters as adapters_lib
 from gpt_oss_train.inference.generate import Generator, SamplingParams
-from gpt_oss_train.io import storage
+from gpt_oss_train.io import hf, storage
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.kernels import platforms
-from gpt_oss_train.model import frozen_base
+from gpt_oss_train.model import frozen_base, quantize
 from gpt_oss_train.model.transformer import ModelDef
 
 # Raw text ends on <|endoftext|> as well as Harmony's end-of-turn ids (HF's eos ids).
@@ -90,8 +91,6 @@ def checkpoint_kind(path: str) -> str:
 
 
 def read_architecture(path: str, kind: str) -> dict:
-    from gpt_oss_train.io import hf
-
     try:
         arch = (
             ckpt_lib.read_model_config(path)
@@ -149,8 +148,6 @@ class LoadedModel:
 
 def define_weights_flag():
     """decode's and serve's --weights: load_model's `weights`."""
-    from absl import flags
-
     flags.DEFINE_enum(
         "weights",
         "param_dtype",
@@ -241,13 +238,9 @@ def _place(
     logging.info("%s", _loaded_line(kind, path, time.perf_counter() - start, params, read))
     model = LoadedModel(md, params, mesh, rules, kind, path, config)
     if int8_weights:
-        from gpt_oss_train.model import quantize
-
         with model.scope():
             model.params = jax.jit(quantize.quantize_params)(model.params)
     if adapters:
-        from gpt_oss_train.inference import adapters as adapters_lib
-
         adapters_lib.attach(model, adapters)
     platforms.place_weights(model.params, platform)
     logging.info("%s", cfg.kernels.describe(platform))
@@ -290,8 +283,6 @@ def load_model(
                 after = ckpt_lib.storage_bytes_read()
                 took = None if before is None else after - before
             else:
-                from gpt_oss_train.io import hf
-
                 took = hf.ReadCount()
                 targets = (
                     dense if packed is None else frozen_base.read_targets(dense, weights, packed)

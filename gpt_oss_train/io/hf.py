@@ -3,8 +3,8 @@
 Reads the safetensors folders that ``transformers`` writes for ``GptOssForCausalLM``
 (dense experts) and the published ``openai/gpt-oss-*`` folders (MXFP4 experts), single
 file or sharded with ``model.safetensors.index.json``; writes dense (optionally MXFP4)
-folders that ``GptOssForCausalLM.from_pretrained`` loads. Everything here is numpy;
-nothing imports jax or torch.
+folders that ``GptOssForCausalLM.from_pretrained`` loads. Everything here is numpy but
+`load_sharded` (which fills jax.Arrays); nothing imports torch.
 
 On-disk layout (checked against transformers 5.24 ``save_pretrained``; per layer n)::
 
@@ -47,12 +47,15 @@ import tempfile
 import threading
 from typing import Any, Callable, Iterator, Mapping
 
+import jax
 import ml_dtypes  # noqa: F401  (also makes np.dtype("bfloat16") resolvable for safetensors)
 import numpy as np
+from safetensors import safe_open
 
 from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.arrays.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gpt_oss_train.errors import UserError
+from gpt_oss_train.io import hf_tokenizer
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.io.hf_config import (
     generation_config,
@@ -268,7 +271,7 @@ class HFCheckpoint:
         files = sorted({os.path.basename(t.file) for t in self._tensors.values()})
         return f"{self.path} (files: {', '.join(files)})"
 
-    def _check(self, name: str, shape: tuple[int, ...], kind: str) -> None:
+    def _check(self, name: str, shape: tuple[int, ...], *, kind: str) -> None:
         t = self._tensors.get(name)
         if t is None:
             raise HFCheckpointError(f"HF checkpoint is missing tensor {name!r} in {self._where()}")
@@ -295,8 +298,8 @@ class HFCheckpoint:
                         "to be a multiple of 32"
                     )
                 blocks_shape, scales_shape = _mxfp4_shapes(plan)
-                self._check(blocks, blocks_shape, "u8")
-                self._check(scales, scales_shape, "u8")
+                self._check(blocks, blocks_shape, kind="u8")
+                self._check(scales, scales_shape, kind="u8")
                 self._mx_layers.add(plan.layer)
                 self._used += [blocks, scales]
             elif plan.mxfp4 and plan.name not in self._tensors:
@@ -305,7 +308,7 @@ class HFCheckpoint:
                     f"{blocks!r} + {scales!r}) in {self._where()}"
                 )
             else:
-                self._check(plan.name, plan.shape, "float")
+                self._check(plan.name, plan.shape, kind="float")
                 self._used.append(plan.name)
 
     # -- public API --------------------------------------------------------------
@@ -381,8 +384,10 @@ class HFCheckpoint:
         e, mid, o = box
         # The 32-input blocks under the box; `mid` counts inputs, words of 8, or blocks.
         per = {None: mxfp4_array.BLOCK, 0: mxfp4_array.BLOCK // mxfp4_array.WORD, 1: 1}[part]
-        runs = [self._mx_blocks(n, decl, e, o, a, b, part, shared, edge)
-                for a, b, edge in _block_runs(mid, per)]  # fmt: skip
+        runs = [
+            self._mx_blocks(n, decl, e, o, a, b, part, shared, edge)
+            for a, b, edge in _block_runs(mid, per)
+        ]
         blocks, scales = (None if x[0] is None else np.concatenate(x, axis=2) for x in zip(*runs))
         skip = mid[0] % per
         if part is None:  # float32 [E, in, out]
@@ -465,8 +470,6 @@ class HFCheckpoint:
         t = self._tensors[name]
         h = self._handles.get(t.file)
         if h is None:
-            from safetensors import safe_open  # local: keep module import cheap
-
             h = self._handles[t.file] = safe_open(t.file, framework="numpy")
         try:
             return h.get_tensor(name)
@@ -549,8 +552,6 @@ def save_hf(
         }
     tokenizer = None
     if with_tokenizer and int(m["vocab_size"]) >= tok_lib.VOCAB_SIZE:  # ids fit the embedding
-        from gpt_oss_train.io import hf_tokenizer  # builds the BPE tables: only here
-
         tokenizer = lambda folder: hf_tokenizer.save_tokenizer(folder, m["max_position_embeddings"])
     _write_folder(out_dir, plan, max_shard_bytes, hf_cfg, generation_config(m), tokenizer)
 
@@ -694,8 +695,6 @@ def load_sharded(
     on N hosts each reads about 1/N of the model (plus what they all replicate), and a
     host never holds more of it than its devices do. What it read is added to `count`.
     """
-    import jax
-
     ckpt = HFCheckpoint(path, count)
     out: dict[str, Any] = {}
     try:

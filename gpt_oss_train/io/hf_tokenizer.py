@@ -23,6 +23,8 @@ import os
 import pathlib
 from collections.abc import Mapping
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
 from gpt_oss_train.io import tokenizer as harmony_tokenizer
 
 # o200k's pre-tokenizer (tiktoken's and harmony's pattern for o200k_base / o200k_harmony):
@@ -125,8 +127,6 @@ def harmony_special_tokens() -> list[str]:
 
 def build_tokenizer():
     """A `tokenizers.Tokenizer` with the ids of harmony's o200k_harmony, built offline."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
     ranks = read_ranks(harmony_tokenizer.ensure_vocab() / harmony_tokenizer.VOCAB_FILE)
     if sorted(ranks.values()) != list(range(FIRST_SPECIAL_ID)):
         raise RuntimeError(f"o200k_base ranks are not 0..{FIRST_SPECIAL_ID - 1}")

@@ -26,8 +26,12 @@ class RequantError:
         blocks, scales = quantize_mxfp4(merged)
         err = dequantize_mxfp4(blocks, scales) - merged
         s = self.sums.setdefault(leaf, np.zeros(4))
-        s += [np.sum(err.astype(np.float64) ** 2), np.sum(merged.astype(np.float64) ** 2),
-              np.sum(delta.astype(np.float64) ** 2), 0.0]  # fmt: skip
+        s += [
+            np.sum(err.astype(np.float64) ** 2),
+            np.sum(merged.astype(np.float64) ** 2),
+            np.sum(delta.astype(np.float64) ** 2),
+            0.0,
+        ]
         s[3] = max(s[3], float(np.abs(err).max()))
 
     def report(self) -> dict:
@@ -43,9 +47,11 @@ class RequantError:
 
 
 def merged_getter(
-    spec: LoraSpec, adapters: Mapping, read_base: Callable[[str, Any], np.ndarray],
+    spec: LoraSpec,
+    adapters: Mapping,
+    read_base: Callable[[str, Any], np.ndarray],
     errors: RequantError | None = None,
-):  # fmt: skip
+):
     """get_param(path, layers) for save_hf: the base's array plus the adapter's delta.
     read_base(path, layers) gives the base in our layout (float32). With `errors`, the
     MXFP4-stored weights' re-quantization error is measured on the way."""
@@ -66,8 +72,16 @@ def merged_getter(
     return get
 
 
-def save_merged(out_dir: str, arch: Mapping[str, Any], spec, adapters, read_base, *,
-                dtype: str = "bfloat16", mxfp4: bool = False) -> dict:  # fmt: skip
+def save_merged(
+    out_dir: str,
+    arch: Mapping[str, Any],
+    spec,
+    adapters,
+    read_base,
+    *,
+    dtype: str = "bfloat16",
+    mxfp4: bool = False,
+) -> dict:
     """Writes the merged model; returns the MXFP4 re-quantization report ({} if dense)."""
     errors = RequantError() if mxfp4 else None
     getter = merged_getter(spec, adapters, read_base, errors)

@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 import ml_dtypes  # noqa: F401  (makes bfloat16 safetensors readable through numpy)
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from gpt_oss_train.config import LoraSpec, parse_targets
 from gpt_oss_train.errors import UserError
@@ -102,8 +104,6 @@ def to_peft_tensors(spec: LoraSpec, adapters: Mapping, num_layers: int) -> dict:
 
 def save_peft(out_dir: str, spec: LoraSpec, adapters: Mapping, num_layers: int, base: str = ""):
     """Writes a PEFT adapter folder (refuses a non-empty out_dir)."""
-    from safetensors.numpy import save_file
-
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} is not empty; refusing to overwrite it")
     os.makedirs(out_dir, exist_ok=True)
@@ -167,8 +167,6 @@ def read_spec(path: str) -> LoraSpec:
 def load_peft(path: str, arch: Mapping[str, Any]) -> tuple[LoraSpec, dict]:
     """(spec, our adapter tree of float32 numpy arrays) from a PEFT folder, checked
     against the base architecture `arch`: every tensor present with the shape it needs."""
-    from safetensors import safe_open
-
     spec = read_spec(path)
     weights = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights):

@@ -28,6 +28,7 @@ per holder), process_scope (host, boot and pid namespace: where a pid names one 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -36,7 +37,10 @@ import time
 import uuid
 from typing import Callable
 
+import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from gpt_oss_train.errors import UserError
 from gpt_oss_train.io import storage
@@ -140,8 +144,6 @@ class _FlockLock:
 
     def acquire(self, record: dict) -> dict | None:
         """Takes the lock; returns the record a dead holder left (None if none)."""
-        import fcntl
-
         while True:
             fd = self._open()
             try:
@@ -210,6 +212,7 @@ class _GcsLeaseLock:
     """The lock object on GCS, written through google-cloud-storage's preconditions."""
 
     def __init__(self, url: str, is_stale: Callable[[dict], bool]):
+        # lazy: start-up (google-cloud-storage takes ~0.4 s; only gs:// workdirs use it)
         import google.auth.exceptions
         from google.cloud import storage as gcs
 
@@ -236,7 +239,7 @@ class _GcsLeaseLock:
 
     def _read(self) -> tuple[dict, int] | None:
         """(record, generation) now, or None if there is no lock or it changed meanwhile."""
-        from google.api_core import exceptions
+        from google.api_core import exceptions  # lazy: start-up, as in __init__
 
         blob = self._blob.bucket.get_blob(self._blob.name)
         if blob is None:
@@ -249,7 +252,7 @@ class _GcsLeaseLock:
         return _parse(data), generation
 
     def acquire(self, record: dict) -> dict | None:
-        from google.api_core import exceptions
+        from google.api_core import exceptions  # lazy: start-up, as in __init__
 
         while True:
             try:
@@ -274,7 +277,7 @@ class _GcsLeaseLock:
 
     def refresh(self, record: dict) -> bool:
         """Rewrites the lock if it is still ours; False if someone took it over."""
-        from google.api_core import exceptions
+        from google.api_core import exceptions  # lazy: start-up, as in __init__
 
         try:
             self._write(record, self._generation)
@@ -283,7 +286,7 @@ class _GcsLeaseLock:
         return True
 
     def release(self) -> None:
-        from google.api_core import exceptions
+        from google.api_core import exceptions  # lazy: start-up, as in __init__
 
         if self._generation is None:
             return
@@ -432,8 +435,6 @@ def acquire_for_job(workdir: str | os.PathLike, **kwargs) -> WorkdirLock | None:
     """Process 0 takes the workdir lock and every process learns whether it could, so a
     refused job stops on all hosts at once. Returns the lock on process 0, None elsewhere.
     Call it after jax.distributed is initialised and before any expensive work."""
-    import jax
-
     lock, error = None, None
     if jax.process_index() == 0:
         try:
@@ -441,9 +442,6 @@ def acquire_for_job(workdir: str | os.PathLike, **kwargs) -> WorkdirLock | None:
         except WorkdirLockError as e:
             error = e
     if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-
         refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
         if refused and error is None:
             raise WorkdirLockedError(

@@ -73,14 +73,24 @@ class Kernels:
         """Self-attention over whole sequences (training, prefill): q [b, s, n, h], k/v
         [b, s, kh, h], sinks [n], positions and segment ids [b, s] (0: padding); `window`
         None for full causal layers; `block`: the blockwise variant's query block."""
-        return self._run("attention", q, k, v, sinks, positions=positions,
-                         segment_ids=segment_ids, window=window, block=block)  # fmt: skip
+        return self._run(
+            "attention",
+            q,
+            k,
+            v,
+            sinks,
+            positions=positions,
+            segment_ids=segment_ids,
+            window=window,
+            block=block,
+        )
 
     def cache_attention(self, q, cache, layer, sinks, *, positions, window):
         """q [b, s, n, h] at `positions` over layer `layer` of the stacked KV cache, whose
         keys for these positions are already written."""
-        return self._run("cache_attention", q, cache, layer, sinks, positions=positions,
-                         window=window)  # fmt: skip
+        return self._run(
+            "cache_attention", q, cache, layer, sinks, positions=positions, window=window
+        )
 
     def grouped_matmul(self, x, w, group_sizes, out_dtype=None):
         """x [M, K] times w[g] [K, N] for each group g's contiguous rows -> [M, N],
@@ -92,8 +102,17 @@ class Kernels:
     def gated_activation(self, gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
         """The experts' clamped SwiGLU of gate/up [R, F] (float32, or the compute dtype)
         plus each row's expert's biases -> the activation in `dtype`."""
-        return self._run("gated_activation", gate, up, bias_gate, bias_up, experts,
-                         limit=limit, alpha=alpha, dtype=dtype)  # fmt: skip
+        return self._run(
+            "gated_activation",
+            gate,
+            up,
+            bias_gate,
+            bias_up,
+            experts,
+            limit=limit,
+            alpha=alpha,
+            dtype=dtype,
+        )
 
     def moe_decode(self, x, weights, idx, w, *, limit, alpha, dtype):
         """A decode-sized batch through its chosen experts only, float32 [T, D]; None when
@@ -104,17 +123,39 @@ class Kernels:
                 return impl.call(x, weights, idx, w, **kw)
         return None
 
-    def expert_parallel(self, experts, x, wts, idx, *, local_e, expert_axes, token_axes,
-                        mlp_axes, out_bias, capacity_factor=0.0):  # fmt: skip
+    def expert_parallel(
+        self,
+        experts,
+        x,
+        wts,
+        idx,
+        *,
+        local_e,
+        expert_axes,
+        token_axes,
+        mlp_axes,
+        out_bias,
+        capacity_factor=0.0,
+    ):
         """Inside shard_map: this device's tokens x [t, d] (weights, experts [t, k]) through
         their experts, sharded `local_e` a device over `expert_axes`, by
         `experts(rows, key, group_sizes)` (kernels/xla/expert_parallel.py) plus each local
         expert's `out_bias` [local_e, d] -> float32 [t, d], summed over the tensor
         (`mlp_axes`) shards. capacity_factor > 0: rows in rounds of that multiple of a
         shard's balanced share (config.moe_capacity_factor)."""
-        return self._run("expert_parallel", experts, x, wts, idx, local_e=local_e,
-                         expert_axes=expert_axes, token_axes=token_axes, mlp_axes=mlp_axes,
-                         out_bias=out_bias, capacity_factor=capacity_factor)  # fmt: skip
+        return self._run(
+            "expert_parallel",
+            experts,
+            x,
+            wts,
+            idx,
+            local_e=local_e,
+            expert_axes=expert_axes,
+            token_axes=token_axes,
+            mlp_axes=mlp_axes,
+            out_bias=out_bias,
+            capacity_factor=capacity_factor,
+        )
 
     def matmul(self, spec, x, w, *, dtype):
         """einsum(spec, x, w) in `dtype`, float32 results: x's dimensions after [b, s]
@@ -127,8 +168,9 @@ class Kernels:
 
     def optimizer_update(self, tx, t, schedule, decays, grads, n, grad_norm, params, opt_state):
         """(params, opt_state) after one step (kernels/xla/optimizer.py)."""
-        return self._run("optimizer_update", tx, t, schedule, decays, grads, n, grad_norm,
-                         params, opt_state)  # fmt: skip
+        return self._run(
+            "optimizer_update", tx, t, schedule, decays, grads, n, grad_norm, params, opt_state
+        )
 
     def reads_in_place(self, dtype, stack) -> bool:
         """Whether the grouped matmul that runs reads layers of this weight stack in place

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from gpt_oss_train import sharding
 from gpt_oss_train.arrays import bit_moves
+from gpt_oss_train.kernels.cpu import huge_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,4 @@ def kv_cache_dtype(dtype, platform: str | None = None):
 def place_weights(params, platform: str) -> None:
     """Inference's weights, once loaded, where the platform wants them in memory."""
     if facts(platform).huge_page_weights:
-        from gpt_oss_train.kernels.cpu import huge_pages
-
         huge_pages.back_with_huge_pages(params)

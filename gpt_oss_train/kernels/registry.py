@@ -23,6 +23,7 @@ import importlib
 from typing import Callable
 
 from gpt_oss_train.errors import ConfigError
+from gpt_oss_train.kernels.gpu import interpret
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 ANY = frozenset(PLATFORMS)
@@ -89,12 +90,15 @@ def _cpu(module: str, fn: str, **extra) -> Impl:
     """A C++ kernel: its module under cpu/ says which operands it takes and whether this
     machine built it."""
     path = f"cpu.{module}"
-    return Impl("cpu", frozenset({"cpu"}), f"{path}:{fn}", f"{path}:accepts",
-                f"{path}:unavailable", **extra)  # fmt: skip
+    return Impl(
+        "cpu", frozenset({"cpu"}), f"{path}:{fn}", f"{path}:accepts", f"{path}:unavailable", **extra
+    )
 
 
 GPU, TPU = frozenset({"gpu"}), frozenset({"tpu"})
 
+# Not formatted (a registry table: an Op an entry, an Impl a line; ruff would spread
+# each Impl over up to six lines).
 # fmt: off
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("attention",
@@ -207,7 +211,5 @@ def _unavailable(op: str, name: str, platform: str) -> str | None:
 def _interpreted(impl: Impl) -> bool:
     """Pallas GPU kernels also run on any platform in interpret mode (CPU tests)."""
     if impl.fn.startswith("gpu."):
-        from gpt_oss_train.kernels.gpu import interpret
-
         return interpret.interpreting()
     return False

@@ -20,11 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gpt_oss_train import sharding
+from gpt_oss_train import config, sharding
 from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.model import parameters, quantize
 
-FORMATS = ("param_dtype", "bfloat16", "int8", "mxfp4")
+FORMATS = config.BASE_FORMATS  # declared below the model, where config checks them
 
 
 def form_of(path: str, fmt: str) -> str:

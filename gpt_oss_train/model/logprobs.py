@@ -50,8 +50,13 @@ def token_logprobs(
         return _token_logprobs(h, weight, t, chunk, dtype, kernels)
 
     w_spec = P(sharding.spec_entry(embed_axes), None)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(rows), w_spec, P(rows)),
-                       out_specs=(P(rows), P(rows)), check_vma=False)  # fmt: skip
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(rows), w_spec, P(rows)),
+        out_specs=(P(rows), P(rows)),
+        check_vma=False,
+    )
     return fn(hidden_bsd, unembed_dv, targets_bs)
 
 
@@ -63,8 +68,9 @@ def _per_device_plan(hidden_shape, unembed_shape):
         return None
     mesh, rules = ctx
     rows = sharding.fit_spec(sharding.logical_to_spec(("batch",), rules), hidden_shape, mesh)[0]
-    w_spec = sharding.fit_spec(sharding.logical_to_spec(("embed", "vocab"), rules),
-                               unembed_shape, mesh)  # fmt: skip
+    w_spec = sharding.fit_spec(
+        sharding.logical_to_spec(("embed", "vocab"), rules), unembed_shape, mesh
+    )
     split_over = lambda entry: tuple(a for a in sharding.spec_axes(entry) if mesh.shape[a] > 1)
     embed_axes = split_over(w_spec[0])
     if not embed_axes or split_over(w_spec[1]):

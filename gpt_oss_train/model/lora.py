@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters beside frozen weights, W x + (alpha / r) (x A) B.
 
-Which weights can be adapted, and the shapes, logical axes and PEFT tensors of their
-A/B pairs, are declared in model/parameters.py (`LORA_TARGETS`, `LORA`); the spec a
+Which weights can be adapted is architecture.LORA_TARGETS; the shapes, logical axes and
+PEFT tensors of their A/B pairs are declared in model/parameters.py (`LORA`); the spec a
 model is built with is config.LoraSpec. This module holds what the model and the tools
 do with them: the adapters' declarations, the low-rank product the layers add, and the
 split of a parameter tree into the frozen base and the adapters (the only leaves
@@ -21,13 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpt_oss_train import config
+from gpt_oss_train.architecture import LORA_TARGETS
 from gpt_oss_train.config import LoraSpec
 from gpt_oss_train.model import parameters
 
-TARGETS = config.LORA_TARGETS
+TARGETS = tuple(LORA_TARGETS)  # the targets' names, in the order a LoraSpec lists them
 PREFIX = "lora_"  # every adapter leaf's name starts with it
-assert tuple(parameters.LORA_TARGETS) == TARGETS, "parameters.LORA_TARGETS vs config's names"
 
 
 def module_decls(spec: LoraSpec | None, prefix: str) -> dict[str, parameters.Param]:
@@ -38,8 +37,11 @@ def module_decls(spec: LoraSpec | None, prefix: str) -> dict[str, parameters.Par
     for t in spec.targets:
         a, bs = parameters.lora_leaves(t)
         wanted |= {a, *bs.values()}
-    return {k: p for k, p in parameters.group(prefix, parameters.LORA).items()
-            if f"{prefix}/{k}" in wanted}  # fmt: skip
+    return {
+        k: p
+        for k, p in parameters.group(prefix, parameters.LORA).items()
+        if f"{prefix}/{k}" in wanted
+    }
 
 
 def dim_sizes(cfg, spec: LoraSpec) -> dict[str, int]:

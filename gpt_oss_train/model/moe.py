@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from gpt_oss_train import config, sharding
+from gpt_oss_train import sharding
 from gpt_oss_train.arrays.layer_views import whole
+from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.kernels import AUTO_KERNELS, Kernels, platforms
 from gpt_oss_train.kernels.xla.experts import (
     ExpertLoRA,
@@ -105,8 +106,9 @@ def _dense_low_rank(x, m, rows, x_axes: str, dtype):
         return jnp.einsum(
             f"{x_axes},eio->teo", x.astype(dtype), m, preferred_element_type=jnp.float32
         )
-    return jnp.einsum(f"{x_axes},teio->teo", x.astype(dtype), m[rows],
-                      preferred_element_type=jnp.float32)  # fmt: skip
+    return jnp.einsum(
+        f"{x_axes},teio->teo", x.astype(dtype), m[rows], preferred_element_type=jnp.float32
+    )
 
 
 def _grouped_low_rank(kernels: Kernels, x, a, b, group_sizes, dtype):
@@ -264,10 +266,12 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
     """One device's part of `sharded_experts`, inside shard_map: its tokens through the
     experts they chose, wherever those live (the `expert_parallel` op moves them)."""
     exp_axes, mlp_axes, token_axes = axes
-    lw = lw._replace(**{
-        n: sharding.gather_weight(getattr(lw, n), ax, _EMBED_DIM[n], ffn["dtype"])
-        for n, ax in gathers.items()
-    })  # fmt: skip
+    lw = lw._replace(
+        **{
+            n: sharding.gather_weight(getattr(lw, n), ax, _EMBED_DIM[n], ffn["dtype"])
+            for n, ax in gathers.items()
+        }
+    )
     # The output bias is added by one tensor shard only, so the psum adds it once.
     add_bias = sharding.axes_index(mlp_axes) == 0
     out_bias = jnp.where(add_bias, lw.bo, jnp.zeros((), lw.bo.dtype))
@@ -275,9 +279,18 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
     def experts(rows, key, group_sizes):
         return _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
 
-    return kernels.expert_parallel(experts, x, wts, idx, local_e=local_e, expert_axes=exp_axes,
-                                   token_axes=token_axes, mlp_axes=mlp_axes, out_bias=out_bias,
-                                   capacity_factor=capacity_factor)  # fmt: skip
+    return kernels.expert_parallel(
+        experts,
+        x,
+        wts,
+        idx,
+        local_e=local_e,
+        expert_axes=exp_axes,
+        token_axes=token_axes,
+        mlp_axes=mlp_axes,
+        out_bias=out_bias,
+        capacity_factor=capacity_factor,
+    )
 
 
 def sharded_experts(
@@ -326,14 +339,29 @@ def sharded_experts(
         entries[_EMBED_DIM[name]] = sharding.spec_entry(ax)
         w_specs = w_specs._replace(**{name: P(*entries)})
     local = lambda x, wts, idx, lw: _local_experts(
-        kernels, x, wts, idx, lw, axes=(exp_axes, mlp_axes, token_axes),
-        local_e=num_experts // n_exp_shards, ffn=ffn, gathers=gathers,
+        kernels,
+        x,
+        wts,
+        idx,
+        lw,
+        axes=(exp_axes, mlp_axes, token_axes),
+        local_e=num_experts // n_exp_shards,
+        ffn=ffn,
+        gathers=gathers,
         capacity_factor=capacity_factor,
-    )  # fmt: skip
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_specs),
-                       out_specs=tok, check_vma=False)  # fmt: skip
+    )
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False
+    )
     return fn(x_td, weights_tk, idx_tk, w)
 
 
 EXPERT_IMPLS = {"dense": dense_experts, "ragged": ragged_experts, "sharded": sharded_experts}
-assert tuple(EXPERT_IMPLS) == config.MOE_IMPLS, "MoE strategies vs config's names"
+
+
+def check_impl(name: str) -> None:
+    """config.moe_impl's one-line error for a name EXPERT_IMPLS lacks. The names are
+    declared here alone: config, below the model, cannot see them, so the model checks
+    them when it is built (ModelDef), before any compute."""
+    if name not in EXPERT_IMPLS:
+        raise ConfigError(f"config.moe_impl: {name!r} is not one of {tuple(EXPERT_IMPLS)}")

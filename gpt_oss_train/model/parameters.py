@@ -23,6 +23,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from gpt_oss_train.architecture import LORA_TARGETS
+
 KINDS = ("sliding", "full")  # block i of KINDS[j] is HF layer 2i + j
 
 
@@ -112,29 +114,9 @@ LAYER: dict[str, Param] = {
 # saves: `<module>.lora_A.weight` [R, in] and `.lora_B.weight` [out, R]; per-expert pairs
 # stacked as PEFT's ParamWrapper stacks them (A rows expert-major [E*R, in], B columns
 # rank-major [out, R*E]); the fused gate_up's B interleaves gate and up along its F axis.
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraTarget:
-    weights: tuple[str, ...]  # the LAYER paths it adapts (a fused tensor's parts share A)
-    contract: str  # letters of W the input contracts with
-    peft: str  # PEFT's name: a module (target_modules) or a parameter (target_parameters)
-
-    @property
-    def is_parameter(self) -> bool:
-        """PEFT targets it with target_parameters (a bare nn.Parameter), not target_modules."""
-        return "." in self.peft
-
-
-LORA_TARGETS: dict[str, LoraTarget] = {
-    "q": LoraTarget(("attn/q_kernel",), "D", "q_proj"),
-    "k": LoraTarget(("attn/k_kernel",), "D", "k_proj"),
-    "v": LoraTarget(("attn/v_kernel",), "D", "v_proj"),
-    "o": LoraTarget(("attn/o_kernel",), "N H", "o_proj"),
-    "gate_up": LoraTarget(("moe/wi_gate", "moe/wi_up"), "D", "mlp.experts.gate_up_proj"),
-    "down": LoraTarget(("moe/wo",), "F", "mlp.experts.down_proj"),
-    "router": LoraTarget(("moe/router_kernel",), "D", "mlp.router.weight"),
-}
+# The targets (LORA_TARGETS: the weights each adapts, its contraction letters, its PEFT
+# name) are declared in architecture.py, below config, which orders a LoraSpec's targets
+# by them.
 
 
 def lora_leaves(target: str) -> tuple[str, dict[str, str]]:

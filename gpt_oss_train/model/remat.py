@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 
-from gpt_oss_train import config
+from gpt_oss_train.errors import ConfigError
 
 _policies = jax.checkpoint_policies
 
@@ -30,7 +30,12 @@ POLICIES = {
 }
 
 
-assert tuple(POLICIES) == config.REMAT_POLICIES, "remat policies vs config's names"
+def check_policy(name: str) -> None:
+    """config.remat_policy's one-line error for a name POLICIES lacks. The names are
+    declared here alone: config, below the model, cannot see them, so the model checks
+    them when it is built (ModelDef), before any compute."""
+    if name not in POLICIES:
+        raise ConfigError(f"config.remat_policy: {name!r} is not one of {tuple(POLICIES)}")
 
 
 def wrap(body, policy: str, *, scanned: bool):

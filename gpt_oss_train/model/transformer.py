@@ -169,17 +169,25 @@ class Attention(nnx.Module):
 
         sinks = self.sinks[...]
         if cache is None:
-            out = kernels.attention(q, k, v, sinks, positions=positions,
-                                    segment_ids=segment_ids, window=window,
-                                    block=cfg.attention_block)  # fmt: skip
+            out = kernels.attention(
+                q,
+                k,
+                v,
+                sinks,
+                positions=positions,
+                segment_ids=segment_ids,
+                window=window,
+                block=cfg.attention_block,
+            )
             new_cache = None
         elif window is None or q.shape[1] <= cache.pos.shape[2] - window + 1:
             # Write first, then attend over every cached slot of the layer. A banded
             # layer's ring may be written first too when the chunk cannot overwrite a key
             # that one of its queries still needs (chunk <= ring - window + 1).
             new_cache = kv_cache.write(cache, layer, k, v, positions)
-            out = kernels.cache_attention(q, new_cache, layer, sinks, positions=positions,
-                                          window=window)  # fmt: skip
+            out = kernels.cache_attention(
+                q, new_cache, layer, sinks, positions=positions, window=window
+            )
         else:
             out, new_cache = _long_chunk_over_ring(q, k, v, sinks, cache, layer, positions, window)
 
@@ -417,6 +425,9 @@ class ModelDef:
     and creates that tree already sharded."""
 
     def __init__(self, cfg: ModelConfig):
+        # The names of the model's own registries, which config.validate cannot see.
+        remat.check_policy(cfg.remat_policy)
+        moe_lib.check_impl(cfg.moe_impl)
         self.cfg = cfg
         abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         self.graphdef, self._abstract_state = nnx.split(abstract)

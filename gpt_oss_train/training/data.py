@@ -37,9 +37,12 @@ import functools
 from typing import Any
 
 import grain
+import jax
 import numpy as np
+from absl import flags
 
-from gpt_oss_train.io.tokenizer import PAD_ID
+from gpt_oss_train import sharding
+from gpt_oss_train.io.tokenizer import PAD_ID, Tokenizer
 
 # DataError is raised here too; callers catch it as data.DataError.
 from gpt_oss_train.training.sources import (
@@ -60,8 +63,6 @@ BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 @functools.cache
 def _tokenizer():
     # Built lazily in each process (grain workers too): the harmony encoding is not picklable.
-    from gpt_oss_train.io.tokenizer import Tokenizer
-
     return Tokenizer()
 
 
@@ -260,8 +261,6 @@ def make_pipeline(
     take a fixed number of batches from a forever pipeline when they must stay in step.
     """
     if process_index is None or process_count is None:
-        import jax
-
         process_index, process_count = jax.process_index(), jax.process_count()
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
@@ -280,35 +279,51 @@ def make_pipeline(
         raise ValueError(
             f"preference pairs take two rows each: {rows} rows a batch per process is odd"
         )
-    pad_id = PAD_ID
+    share = None if whole else (process_index, process_count)
+    ds = _documents(source, seed, shuffle, num_epochs, max_docs, share)
+    ds = _batches(ds, seq_len, rows, pairs, read_threads)
+    if num_workers > 0:
+        ds = _in_workers(ds, num_workers)
+    return Pipeline(ds, source, whole_batches=whole)
 
+
+def _documents(source, seed: int, shuffle: bool, num_epochs, max_docs: int, share):
+    """The documents a pipeline reads, in order: the first max_docs (0: all), shuffled (a
+    new order each epoch), repeated num_epochs times (None: forever), and with `share`
+    (process_index, process_count) only this process's part of them."""
     ds = grain.MapDataset.source(source)
     if max_docs > 0:
         ds = ds[:max_docs]
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(num_epochs)
-    if not whole:
+    if share is not None:
         # After repeat, so the processes split every epoch between them, each a disjoint part.
+        process_index, process_count = share
         ds = ds[process_index::process_count]
+    return ds
+
+
+def _batches(documents, seq_len: int, rows: int, pairs: bool, read_threads: int):
+    """Documents -> batches of `rows` rows: examples packed into rows of seq_len, or
+    preference pairs of two padded rows each (module docstring)."""
     if pairs:
-        ds = ds.map(functools.partial(pair_rows, seq_len=seq_len))
+        ds = documents.map(functools.partial(pair_rows, seq_len=seq_len))
     else:
-        ds = ds.map(to_example).filter(_has_pairs)
+        ds = documents.map(to_example).filter(_has_pairs)
     # Threads overlap file reads and tokenizing with the train step (which releases the GIL).
     ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=64))
     if pairs:
-        ds = ds.batch(rows // 2, batch_fn=functools.partial(_stack_pairs, num_rows=rows))
-    else:
-        ds = pack(ds, seq_len, pad_id)
-        ds = ds.batch(rows, batch_fn=functools.partial(_stack_rows, num_rows=rows, pad_id=pad_id))
-    if num_workers > 0:
-        from absl import flags
+        return ds.batch(rows // 2, batch_fn=functools.partial(_stack_pairs, num_rows=rows))
+    ds = pack(ds, seq_len, PAD_ID)
+    return ds.batch(rows, batch_fn=functools.partial(_stack_rows, num_rows=rows, pad_id=PAD_ID))
 
-        if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app
-            flags.FLAGS.mark_as_parsed()  # (tests, notebooks) their defaults are the right ones
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-    return Pipeline(ds, source, whole_batches=whole)
+
+def _in_workers(ds: grain.IterDataset, num_workers: int) -> grain.IterDataset:
+    """`ds` made by num_workers grain worker processes."""
+    if not flags.FLAGS.is_parsed():  # grain's workers read absl flags; outside an absl app
+        flags.FLAGS.mark_as_parsed()  # (tests, notebooks) their defaults are the right ones
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
 
 
 def global_batch(
@@ -317,10 +332,6 @@ def global_batch(
     """This process's rows -> global jax.Arrays sharded over `batch` (any process count).
     whole=True: `local_batch` is the whole global batch (Pipeline.whole_batches); each
     device takes its own rows of it."""
-    import jax
-
-    from gpt_oss_train import sharding
-
     s = sharding.batch_sharding(mesh, sharding.validate_rules(rules, mesh.axis_names), 2)
     if whole:
         return {

@@ -10,7 +10,7 @@ from typing import Iterable
 import jax
 
 from gpt_oss_train.training import data as data_lib
-from gpt_oss_train.training import steps
+from gpt_oss_train.training import objectives
 
 
 def eval_loss(
@@ -19,7 +19,7 @@ def eval_loss(
     """Sums eval_step's stats over the local batches (as the pipeline yields them; whole:
     Pipeline.whole_batches) -> {"loss", "tokens", "batches", "metrics"}: metrics are the
     objective's logged means; loss (theirs) is None when nothing was scored."""
-    spec = steps.OBJECTIVES[objective]
+    spec = objectives.OBJECTIVES[objective]
     totals = dict.fromkeys(spec.stats, 0.0)
     n = 0
     for local in batches:

@@ -136,7 +136,7 @@ def forward_passes_per_step(objective: str, *, num_iterations: int = 1, kl: bool
     the reference's forward; GRPO 3 per optimizer update (rl.num_iterations), + 1 per
     update for the reference's log-probs with a KL term, + 1 for the sampling policy's
     log-probs taken before several updates. GRPO's rollouts (the engine's generation)
-    are not in the step's figure: rollouts.py times them apart."""
+    are not in the step's figure: post_training/rollouts.py times them apart."""
     if objective == "dpo":
         return 4
     if objective == "grpo":

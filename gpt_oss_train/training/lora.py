@@ -5,7 +5,7 @@ The train state of a LoRA run is the usual {"step", "params", "opt_state"} with
 `params` the adapters only, so gradients, optimizer state and checkpoints cover the
 adapters alone. The base (a `FrozenBase`) is an extra, non-donated argument of the
 jitted step, bound by `WithFrozen` so train.py, tools/aot_compile.py and
-tools/benchmark.py call the step as they call a full fine-tuning one. It is loaded once,
+tools/bench_model.py call the step as they call a full fine-tuning one. It is loaded once,
 in its format, from `checkpoint.init_from` (an HF folder, MXFP4 experts read as blocks,
 never dequantized on the host; or an Orbax checkpoint) or made from `config.seed`.
 """

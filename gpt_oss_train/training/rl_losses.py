@@ -1,9 +1,9 @@
 """The math of two preference/RL objectives on per-token log-probs: DPO and GRPO.
 
-No model code: callers compute per-token log-probs of completions (loss.token_logprobs) under
-the policy, and where needed under a frozen reference or the policy that sampled the data,
-and pass them here. Like the LM loss (steps.make_loss_fn), every objective comes back as a
-SUM plus a normalizer, and every statistic as a sum with its own count: the
+No model code: callers (training/objectives.py) compute per-token log-probs of completions
+(loss.token_logprobs) under the policy, and where needed under a frozen reference or the
+policy that sampled the data, and pass them here. Like the LM loss, every objective comes
+back as a SUM plus a normalizer, and every statistic as a sum with its own count: the
 gradient-accumulation path adds the sums of its microbatches and divides once by the summed
 normalizer, which is exactly the whole batch's mean.
 
@@ -13,8 +13,9 @@ smoothing): for a pair with sequence log-probs pi_c, pi_r (policy) and ref_c, re
     loss = -(1 - ls) * logsigmoid(beta * h) - ls * logsigmoid(-beta * h).
 
 GRPO (Shao et al. 2024; TRL GRPOTrainer): advantages are rewards normalised within each
-group of completions of one prompt, and the per-token objective is PPO's clipped surrogate
-plus an optional k3 KL penalty towards a reference; see grpo_sums for the averagings.
+group of completions of one prompt (the rollouts': post_training/rollouts.group_advantages),
+and the per-token objective is PPO's clipped surrogate plus an optional k3 KL penalty
+towards a reference; see grpo_sums for the averagings.
 """
 
 from __future__ import annotations
@@ -85,24 +86,6 @@ def dpo_sums(
 
 
 # ----------------------------------------------------------------------------- GRPO
-
-
-def group_advantages(rewards, group_size: int, *, scale: bool = True, eps: float = 1e-4):
-    """[n*G] rewards, G consecutive completions per prompt -> [n*G] float32 advantages
-    A = r - mean(group), divided by (std(group) + eps) if `scale`. std is the unbiased one
-    (ddof=1), as TRL's torch.std; eps=1e-4 as TRL. A group of equal rewards gets A = 0.
-    scale=False is Dr. GRPO (Liu et al. 2025), which drops the division as a bias towards
-    groups of low reward variance (too easy or too hard prompts)."""
-    r = jnp.asarray(rewards, jnp.float32)
-    if r.ndim != 1 or r.shape[0] % group_size:
-        raise ValueError(f"rewards of shape {r.shape} do not split into groups of {group_size}")
-    if scale and group_size < 2:
-        raise ValueError("scaled advantages need group_size >= 2 (the unbiased std of one)")
-    groups = r.reshape(-1, group_size)
-    a = groups - jnp.mean(groups, axis=1, keepdims=True)
-    if scale:
-        a = a / (jnp.std(groups, axis=1, ddof=1, keepdims=True) + eps)
-    return a.reshape(-1)
 
 
 def _clipped_surrogate(ratio, adv, epsilon_low, epsilon_high):

@@ -2,7 +2,7 @@
 abstract state, the jitted donated train step and the eval step.
 
 `train.py` runs it, `tools/aot_compile.py` compiles it for a TPU topology and
-`tools/benchmark.py` times it, so the memory verdict and the timings describe exactly
+`tools/bench_model.py` times it, so the memory verdict and the timings describe exactly
 what training runs. Nothing here allocates the state: `init_state` does, on request.
 """
 

@@ -123,9 +123,14 @@ async def _stream(state, req, rid, prompt, handles, request_start):
     def chunk(i, delta, finish=None, logprobs=None):
         c = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(
-            {"id": rid, "object": "chat.completion.chunk", "created": created,
-             "model": req.model, "choices": [c]}
-        )  # fmt: skip
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [c],
+            }
+        )
 
     for i in range(len(handles)):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -143,9 +148,15 @@ async def _stream(state, req, rid, prompt, handles, request_start):
     if req.stream_options and req.stream_options.include_usage:
         n_out = sum(len(c.tokens) for c in choices)
         yield sse(
-            {"id": rid, "object": "chat.completion.chunk", "created": created,
-             "model": req.model, "choices": [], "usage": usage(len(prompt), n_out)}
-        )  # fmt: skip
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": usage(len(prompt), n_out),
+            }
+        )
     yield SSE_DONE
 
 
@@ -160,9 +171,11 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         start = time.perf_counter()
         adapter = generation.check_model(state, req.model)
-        generation.check_capacity(state, req.n, f"n={req.n}", "n")
+        generation.check_capacity(state, req.n, f"n={req.n}", param="n")
         texts = chat_format.prompt_texts(req)
-        generation.check_text_length(state, texts, req.token_limit(), "max_tokens", "messages")
+        generation.check_text_length(
+            state, texts, req.token_limit(), param="max_tokens", prompt_param="messages"
+        )
         prompt = chat_format.prompt_ids(req, state.tokenizer)
         handles = generation.submit(state, prompt, _params(state, req, len(prompt), adapter))
         rid = generation.request_id("chatcmpl")

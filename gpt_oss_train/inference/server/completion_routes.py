@@ -12,6 +12,7 @@ import time
 
 from fastapi import FastAPI, Request
 
+from gpt_oss_train.inference.loading import TEXT_STOP_IDS
 from gpt_oss_train.inference.server import errors, generation
 from gpt_oss_train.inference.server.errors import APIError, bad_request
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
@@ -22,7 +23,9 @@ from gpt_oss_train.inference.server.text import Detokenizer, StopMatcher, decode
 def _prompt_ids(state: ServerState, prompt, i: int, max_tokens: int) -> list[int]:
     if isinstance(prompt, str):
         # max_tokens=0 (echo only) needs room for the prompt alone
-        generation.check_text_length(state, [prompt], max_tokens, "max_tokens", "prompt")
+        generation.check_text_length(
+            state, [prompt], max_tokens, param="max_tokens", prompt_param="prompt"
+        )
         ids = state.tokenizer.encode(prompt)
         if not ids:
             raise bad_request(f"prompt {i} is empty.", "prompt")
@@ -130,8 +133,6 @@ async def _prompt_scores(state, req, prompts, adapter) -> list:
 
 
 def _params(state, req, prompts, adapter):
-    from gpt_oss_train.inference.loading import TEXT_STOP_IDS
-
     out = []
     for p in prompts:
         max_tokens = generation.check_length(state, len(p), req.max_tokens, "max_tokens")
@@ -174,12 +175,22 @@ async def _stream(state, req, rid, handles, choices, echoes, start):
     created = int(time.time())
 
     def chunk(i, text, finish=None, logprobs=None, token_ids=()):
-        c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
-             "token_ids": list(token_ids)}  # fmt: skip
+        c = {
+            "index": i,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "token_ids": list(token_ids),
+        }
         return sse(
-            {"id": rid, "object": "text_completion", "created": created,
-             "model": req.model, "choices": [c]}
-        )  # fmt: skip
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [c],
+            }
+        )
 
     sent = [0] * len(choices)  # tokens already sent, per choice
     sent_lp = [len(c.logprobs.tokens) if c.logprobs else 0 for c in choices]  # after echo
@@ -202,9 +213,15 @@ async def _stream(state, req, rid, handles, choices, echoes, start):
     if req.stream_options and req.stream_options.include_usage:
         n_in, n_out = sum(len(c.prompt) for c in choices), sum(len(c.tokens) for c in choices)
         yield sse(
-            {"id": rid, "object": "text_completion", "created": created,
-             "model": req.model, "choices": [], "usage": usage(n_in, n_out)}
-        )  # fmt: skip
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": usage(n_in, n_out),
+            }
+        )
     yield SSE_DONE
 
 
@@ -217,7 +234,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         if req.max_tokens:
             many = f"{len(raw)} prompt(s) x n={req.n}"
             param = "prompt" if len(raw) > 1 else "n"
-            generation.check_capacity(state, len(raw) * req.n, many, param)
+            generation.check_capacity(state, len(raw) * req.n, many, param=param)
         prompts = [_prompt_ids(state, p, i, req.max_tokens) for i, p in enumerate(raw)]
         params = _params(state, req, prompts, adapter) if req.max_tokens else []
         scores = await _prompt_scores(state, req, prompts, adapter)

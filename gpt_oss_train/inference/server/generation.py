@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from gpt_oss_train.inference.engine import RequestParams, RequestRejected
 from gpt_oss_train.inference.server.errors import APIError, from_rejection
 from gpt_oss_train.inference.server.metrics import Metrics, TokenClock
 
@@ -96,7 +97,7 @@ LONGEST_TOKEN_BYTES = 128
 
 
 def check_text_length(
-    state: ServerState, texts: list[str], max_tokens: int | None, param: str, prompt_param: str
+    state: ServerState, texts: list[str], max_tokens: int | None, *, param: str, prompt_param: str
 ) -> None:
     """Refuse, before tokenizing, prompt text too long for the context to hold it and
     max_tokens (None: one) more tokens, so a huge prompt costs a length check only."""
@@ -114,7 +115,7 @@ def check_text_length(
         )
 
 
-def check_capacity(state: ServerState, count: int, what: str, param: str) -> None:
+def check_capacity(state: ServerState, count: int, what: str, *, param: str) -> None:
     """Refuse (400) a request of more engine requests (`count`: prompts x n) than the
     engine ever holds at once, running and waiting: it could never be queued, so the 429
     a full queue gets (try again later) would mislead."""
@@ -138,8 +139,6 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
 def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter) -> list:
     """RequestParams for each of a request's `n` choices (its own seed each), with the
     sampling fields chat and text completions share."""
-    from gpt_oss_train.inference.engine import RequestParams
-
     return [
         RequestParams(
             max_tokens=max_tokens,
@@ -157,8 +156,6 @@ def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter) -> lis
 
 def submit(state: ServerState, prompt: list[int], params: list) -> list:
     """One engine request per choice; all or none (a refusal cancels the ones made)."""
-    from gpt_oss_train.inference.engine import RequestRejected
-
     handles = []
     try:
         for p in params:

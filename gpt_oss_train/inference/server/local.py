@@ -37,7 +37,7 @@ class ThreadServer:
     """uvicorn serving `app` on 127.0.0.1 in a daemon thread; `with` stops it."""
 
     def __init__(self, app, port: int | None = None):
-        import uvicorn
+        import uvicorn  # lazy: start-up (tools.bench_serve imports this module)
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"

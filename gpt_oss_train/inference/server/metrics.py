@@ -86,11 +86,11 @@ class TokenClock:
     """Times one choice's tokens into the histograms."""
 
     def __init__(self, metrics: Metrics, start: float):
-        self._m, self._last = metrics, start
+        self._metrics, self._last = metrics, start
         self._first = True
 
     def tick(self) -> None:
         now = time.perf_counter()
-        (self._m.ttft if self._first else self._m.itl).observe(now - self._last)
-        self._m.generation_tokens.inc()
+        (self._metrics.ttft if self._first else self._metrics.itl).observe(now - self._last)
+        self._metrics.generation_tokens.inc()
         self._first, self._last = False, now

@@ -30,8 +30,16 @@ from gpt_oss_train import sharding
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # Each kernel's module under kernels/cpu/ (the pytest summary and `describe` list them).
-SOURCES = ("self_attention", "decode_attention", "grouped_matmul", "glu", "moe_decode",
-           "rows_matmul", "cross_entropy", "adamw")  # fmt: skip
+SOURCES = (
+    "self_attention",
+    "decode_attention",
+    "grouped_matmul",
+    "glu",
+    "moe_decode",
+    "rows_matmul",
+    "cross_entropy",
+    "adamw",
+)
 
 
 def one_device() -> bool:

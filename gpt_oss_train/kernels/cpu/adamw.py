@@ -11,8 +11,20 @@ from gpt_oss_train.kernels.cpu import build
 TARGET = "gpt_oss_adamw"
 CPU_FLAG = "avx512f"
 # The scalars operand of adamw.cc, in its order.
-SCALARS = ("n", "clip", "norm", "max_norm", "b1", "b2", "bc1", "bc2", "eps", "eps_root", "wd",
-           "step")  # fmt: skip
+SCALARS = (
+    "n",
+    "clip",
+    "norm",
+    "max_norm",
+    "b1",
+    "b2",
+    "bc1",
+    "bc2",
+    "eps",
+    "eps_root",
+    "wd",
+    "step",
+)
 
 
 HANDLERS = ((TARGET, "GptOssAdamW"),)

@@ -60,9 +60,11 @@ def _library_path(source: str, cxx: str) -> str:
             code += f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        b"\0".join(s.encode() if isinstance(s, str) else s
-                   for s in (code, version, " ".join(FLAGS), _cpu_id(), jax.ffi.include_dir()))
-    ).hexdigest()[:16]  # fmt: skip
+        b"\0".join(
+            s.encode() if isinstance(s, str) else s
+            for s in (code, version, " ".join(FLAGS), _cpu_id(), jax.ffi.include_dir())
+        )
+    ).hexdigest()[:16]
     folder = runtime.user_cache_dir("cpu_kernels")
     name = os.path.splitext(os.path.basename(source))[0]
     return os.path.join(folder, f"{name}-{key}.so")
@@ -78,8 +80,9 @@ def _compile(source: str, cxx: str, target: str) -> None:
         cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", source, "-o", tmp]
         # Its own process group, so a compile past the limit is ended with the compiler
         # processes the driver started.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             _, stderr = proc.communicate(timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -33,8 +33,11 @@ def unavailable(platform: str = "cpu") -> str | None:
 
 def accepts(tx, t, schedule, decays, grads, n, grad_norm, params, opt_state) -> bool:
     """make_optimizer's chain, one device, float32 parameters and moments, one Adam state."""
-    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, _STATES))
-            if isinstance(s, optax.ScaleByAdamState)]  # fmt: skip
+    adam = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, _STATES))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
     return (
         isinstance(tx, ConfiguredOptimizer)
         and len(adam) == 1
@@ -47,8 +50,11 @@ def update(tx, t, schedule, decays, grads, n, grad_norm, params, opt_state):
     """(params, opt_state) after one step of make_optimizer(t)'s chain on the gradient
     sums `grads` of `n` tokens, whose per-token mean has global norm `grad_norm` (the
     metric's); `decays` marks the parameters with weight decay (a tree of bools)."""
-    adam = next(s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, _STATES))
-                if isinstance(s, optax.ScaleByAdamState))  # fmt: skip
+    adam = next(
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, _STATES))
+        if isinstance(s, optax.ScaleByAdamState)
+    )
     count = optax.safe_increment(adam.count)
     scalars = dict(
         n=n,
@@ -65,8 +71,12 @@ def update(tx, t, schedule, decays, grads, n, grad_norm, params, opt_state):
     )
     out = jax.tree.map(
         lambda p, g, m, v, decay: kernel.step(p, g, m, v, wd=t.weight_decay * decay, **scalars),
-        params, grads, adam.mu, adam.nu, decays,
-    )  # fmt: skip
+        params,
+        grads,
+        adam.mu,
+        adam.nu,
+        decays,
+    )
     pick = lambda i: jax.tree.map(lambda _, o: o[i], params, out)
     new_params, mu, nu = pick(0), pick(1), pick(2)
 

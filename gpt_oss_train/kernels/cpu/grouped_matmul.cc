@@ -147,7 +147,8 @@ void pack_columns(const Matrix& m, int64_t r0, int cols, int depth, bf16* panel)
 }
 
 // y[r, :cols] = sum_p a(r, p) * b(p, :) for R rows (cols <= kPanel), where a(r, p) is the
-// pair at a + r * a_row + p * a_pair and b(p, :) the kPanel pairs at b + p * b_pair.
+// pair at a + r * a_row + p * a_pair and b(p, :) the kPanel pairs at b + p * b_pair (all
+// kPanel of them are read, whatever `cols` is: they must lie inside the caller's buffer).
 // `stream`: full, aligned rows of y go straight to memory (non-temporal stores), not
 // through the caches: for an output as large as a float32 weight gradient (75 MB at 32
 // experts of 768 x 768, 1 GB at gpt-oss-20b's), this skips reading each line before
@@ -337,7 +338,15 @@ ffi::Error WeightGradImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   const int64_t pairs = int64_t(job->pair_row.size());
   job->xp.reset(new bf16[pairs * job->k * 2]);
-  job->dyp.reset(new bf16[pairs * job->n * 2]);
+  // rows_by_panel reads a whole panel (kPanel pairs) of dy's pairs whatever `cols` is: on
+  // the last panel of N (N < kPanel, or N % kPanel != 0) it reads past the last pair's
+  // row by up to kPanel - 1 pairs. Within the buffer those lanes are the next row's and
+  // are never stored; past its end they were a heap over-read, which faulted when the
+  // buffer ended a page below unmapped memory (the top of a glibc arena's heap): the rare
+  // segmentation fault of training steps on one CPU device, more often with an Orbax
+  // save's threads allocating beside them. So one panel of zeros follows the pairs.
+  job->dyp.reset(new bf16[(pairs * job->n + kPanel) * 2]);
+  std::fill_n(job->dyp.get() + pairs * job->n * 2, 2 * kPanel, bf16(0));
   // Groups without rows: zero gradients (written here, not by an item).
   for (int g = 0, u = 0; g < int(wd[0]); ++g) {
     if (u < job->groups.used() && job->groups.index[u] == g) {

@@ -18,7 +18,7 @@ from gpt_oss_train.kernels.cpu import DTYPES, build
 
 TARGET = "gpt_oss_moe_decode"
 # Past this many (token, choice) pairs (about 8 rows per expert at 32 experts) the tiled
-# grouped matmul's XLA dots are as fast (python -m gpt_oss_train.tools.moe_benchmark --mode=decode).
+# grouped matmul's XLA dots are as fast (python -m gpt_oss_train.tools.bench_moe --mode=decode).
 MAX_PAIRS = 128
 
 

@@ -184,9 +184,20 @@ def _forward(q, k, v, sinks, pos, seg, st: _Static):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
-    dq_ref, *, st,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qpos_ref,
+    kpos_ref,
+    qseg_ref,
+    kseg_ref,
+    dq_ref,
+    *,
+    st,
+):
     """One (batch row, query head, query block): dQ over the visible key blocks."""
     bq, bk = st.blocks.bwd_q, st.blocks.bwd_k
     q, do = q_ref[...], do_ref[...]
@@ -207,9 +218,22 @@ def _dq_kernel(
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
-    dk_ref, dv_ref, *, st, group: int,
-):  # fmt: skip
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qpos_ref,
+    kpos_ref,
+    qseg_ref,
+    kseg_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    st,
+    group: int,
+):
     """One (batch row, KV head, key block): dK and dV summed over the query heads that
     share this KV head and the query blocks that can see these keys."""
     bq, bk = st.blocks.bwd_q, st.blocks.bwd_k

@@ -17,7 +17,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
+from gpt_oss_train import sharding
 from gpt_oss_train.kernels.xla import experts as xla_experts
 
 ROWS = 128  # rows per block: five double-buffered [128, F] bf16 blocks and the f32 math fit VMEM
@@ -28,8 +30,6 @@ MAX_EXPERTS = xla_experts.SELECT_MAX_EXPERTS  # a row's bias is chosen by select
 def accepts(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype) -> bool:
     """bf16 products and activation, a shard's few experts, rows in whole blocks, and one
     device's arrays (inside shard_map, as expert parallelism calls it, or a 1-device mesh)."""
-    from gpt_oss_train import sharding
-
     return (
         gate.dtype == up.dtype == jnp.bfloat16
         and jnp.dtype(dtype) == jnp.bfloat16
@@ -40,11 +40,18 @@ def accepts(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype) -> bo
 
 
 def gated_activation(gate, up, bias_gate, bias_up, experts, *, limit, alpha, dtype):
-    from gpt_oss_train import sharding
-
     interpret = sharding.platform() != "tpu"  # tests on a CPU: Pallas' interpreter
-    return _act(gate, up, bias_gate, bias_up, experts, float(limit), float(alpha),
-                jnp.dtype(dtype), interpret)  # fmt: skip
+    return _act(
+        gate,
+        up,
+        bias_gate,
+        bias_up,
+        experts,
+        float(limit),
+        float(alpha),
+        jnp.dtype(dtype),
+        interpret,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -61,8 +68,17 @@ def _act_fwd(gate, up, bias_gate, bias_up, experts, limit, alpha, dtype, interpr
 
 def _act_bwd(limit, alpha, dtype, interpret, res, d_act):
     gate, up, bias_gate, bias_up, experts = res
-    dg, du, dbg, dbu = backward(gate, up, bias_gate, bias_up, experts, d_act.astype(gate.dtype),
-                                limit=limit, alpha=alpha, interpret=interpret)  # fmt: skip
+    dg, du, dbg, dbu = backward(
+        gate,
+        up,
+        bias_gate,
+        bias_up,
+        experts,
+        d_act.astype(gate.dtype),
+        limit=limit,
+        alpha=alpha,
+        interpret=interpret,
+    )
     return dg, du, dbg.astype(bias_gate.dtype), dbu.astype(bias_up.dtype), None
 
 
@@ -73,8 +89,7 @@ def backward(gate, up, bias_gate, bias_up, experts, d_act, *, limit, alpha, inte
     """gate, up, d_act [R, F] bf16, biases [E, F], experts [R] (E: no expert here, the row
     undefined) -> (d_gate, d_up [R, F] bf16, d_bias_gate, d_bias_up [E, F] float32). The
     bias sums take the gradients as rounded to bf16 and skip rows whose expert is E."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import tpu as pltpu  # lazy: optional dependency (Pallas TPU)
 
     (r, f), e = gate.shape, bias_gate.shape[0]
     steps = r // (ROWS * CORES)
@@ -88,11 +103,14 @@ def backward(gate, up, bias_gate, bias_up, experts, d_act, *, limit, alpha, inte
         kernel,
         grid=(CORES, steps),
         in_specs=[
-            row_block, row_block, row_block,
+            row_block,
+            row_block,
+            row_block,
             pl.BlockSpec((ROWS, 1), rows),  # experts as a column: the row selects
             pl.BlockSpec((1, ROWS), lambda c, i: (0, c * steps + i)),  # and a row: one-hots
-            whole((e, f)), whole((e, f)),
-        ],  # fmt: skip
+            whole((e, f)),
+            whole((e, f)),
+        ],
         out_specs=[row_block, row_block, sums, sums],
         out_shape=[
             jax.ShapeDtypeStruct((r, f), gate.dtype),
@@ -108,15 +126,34 @@ def backward(gate, up, bias_gate, bias_up, experts, d_act, *, limit, alpha, inte
             bytes_accessed=5 * r * f * gate.dtype.itemsize,
         ),
         interpret=interpret,
-    )(gate, up, d_act, experts.reshape(r, 1), experts.reshape(1, r),
-      bias_gate.astype(jnp.float32), bias_up.astype(jnp.float32))  # fmt: skip
+    )(
+        gate,
+        up,
+        d_act,
+        experts.reshape(r, 1),
+        experts.reshape(1, r),
+        bias_gate.astype(jnp.float32),
+        bias_up.astype(jnp.float32),
+    )
     return d_gate, d_up, d_bg.sum(0), d_bu.sum(0)
 
 
-def _backward_kernel(gate_ref, up_ref, d_act_ref, e_col_ref, e_row_ref, bg_ref, bu_ref,
-                     d_gate_ref, d_up_ref, d_bg_ref, d_bu_ref, *, limit, alpha):  # fmt: skip
-    from jax.experimental import pallas as pl
-
+def _backward_kernel(
+    gate_ref,
+    up_ref,
+    d_act_ref,
+    e_col_ref,
+    e_row_ref,
+    bg_ref,
+    bu_ref,
+    d_gate_ref,
+    d_up_ref,
+    d_bg_ref,
+    d_bu_ref,
+    *,
+    limit,
+    alpha,
+):
     @pl.when(pl.program_id(1) == 0)
     def _():
         d_bg_ref[...] = jnp.zeros_like(d_bg_ref)

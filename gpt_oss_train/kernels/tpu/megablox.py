@@ -13,6 +13,9 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from gpt_oss_train import sharding
+from gpt_oss_train.kernels.tpu import ragged_dot
+
 TILE = 512  # rows, depth and columns per block (the kernel masks ragged depth and columns)
 
 
@@ -27,9 +30,6 @@ def _tiles(x, w) -> tuple[int, int, int]:
 
 
 def grouped_matmul(x, w, group_sizes, out_dtype=None):
-    from gpt_oss_train import sharding
-    from gpt_oss_train.kernels.tpu import ragged_dot
-
     if not sharding.per_device():
         # A Pallas kernel runs per device (inside shard_map, as expert parallelism calls
         # it); on a mesh outside one, XLA's ragged dot, which the partitioner splits.
@@ -43,6 +43,7 @@ def grouped_matmul(x, w, group_sizes, out_dtype=None):
 
 def _kernels():
     """megablox's gmm.py module (the package's `gmm` name is its differentiable wrapper)."""
+    # lazy: optional dependency (Pallas TPU)
     return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 
@@ -69,11 +70,25 @@ def _gmm_bwd(interpret, out_dtype, res, g):
     x, w, sizes = res
     g = g.astype(x.dtype)
     tiles = _tiles(x, w)
-    dx = kernels.gmm(g, w, sizes, x.dtype, (tiles[0], tiles[2], tiles[1]),
-                     transpose_rhs=True, interpret=interpret)  # fmt: skip
+    dx = kernels.gmm(
+        g,
+        w,
+        sizes,
+        x.dtype,
+        (tiles[0], tiles[2], tiles[1]),
+        transpose_rhs=True,
+        interpret=interpret,
+    )
     # the weight gradient group by group: each group's rows only
-    dw = kernels.tgmm(x.swapaxes(0, 1), g, sizes, w.dtype, tiles,
-                      num_actual_groups=w.shape[0], interpret=interpret)  # fmt: skip
+    dw = kernels.tgmm(
+        x.swapaxes(0, 1),
+        g,
+        sizes,
+        w.dtype,
+        tiles,
+        num_actual_groups=w.shape[0],
+        interpret=interpret,
+    )
     return _rows_in_groups(dx, sizes), dw, None
 
 

@@ -61,6 +61,7 @@ def self_attention(q, k, v, sinks, *, positions, segment_ids, window, block):
 
 
 def _splash_local(q, k, v, q_seg, sinks, window):
+    # lazy: optional dependency (Pallas TPU)
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as sk,
     )

@@ -31,8 +31,19 @@ from gpt_oss_train import sharding
 from gpt_oss_train.kernels.xla import experts as experts_lib
 
 
-def gather(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes, out_bias,
-           capacity_factor=0.0):  # fmt: skip
+def gather(
+    experts,
+    x,
+    wts,
+    idx,
+    *,
+    local_e,
+    expert_axes,
+    token_axes,
+    mlp_axes,
+    out_bias,
+    capacity_factor=0.0,
+):
     """x [t, d], wts / idx [t, k] this device's tokens -> their outputs float32 [t, d]."""
     for ax in token_axes:
         x, wts, idx = (jax.lax.all_gather(a, ax, axis=0, tiled=True) for a in (x, wts, idx))
@@ -101,8 +112,19 @@ def _in_rounds(experts, x, wts, key, order, group_sizes, capacity, out_bias):
     return out
 
 
-def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes, out_bias,
-               capacity_factor=0.0):  # fmt: skip
+def all_to_all(
+    experts,
+    x,
+    wts,
+    idx,
+    *,
+    local_e,
+    expert_axes,
+    token_axes,
+    mlp_axes,
+    out_bias,
+    capacity_factor=0.0,
+):
     """As `gather`, exchanging only the pairs each shard computes (see the docstring). Its
     receive buffer stays sized for the worst case: `capacity_factor` is not used here."""
     t, k = idx.shape
@@ -122,8 +144,9 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     lands = _exclusive_cumsum(sizes, axis=0)  # where it lands in receiver j's rows
     received = counts[:, me]  # [senders, local experts]
     # Out: sorted pairs to their shards; arrive grouped by sender, then by local expert.
-    rows = _exchange(x[order // k], n * pairs, starts[me], sizes[me], lands[me], sizes[:, me],
-                     expert_axes, pairs)  # fmt: skip
+    rows = _exchange(
+        x[order // k], n * pairs, starts[me], sizes[me], lands[me], sizes[:, me], expert_axes, pairs
+    )
     key = _expert_of_received_rows(received, local_e, n * pairs)
     by_expert = jnp.argsort(key, stable=True)
     y = experts(rows[by_expert], key[by_expert], received.sum(0))
@@ -132,16 +155,28 @@ def all_to_all(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_ax
     # arrived go back, so the undefined ones stay here; the output bias is added at home,
     # in the weighted sum, from every expert's (a few MB): a pass over the pairs a device
     # sent rather than over the receive buffer, n times their rows.
-    y = _exchange(y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes,
-                  pairs)  # fmt: skip
+    y = _exchange(
+        y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes, pairs
+    )
     every_bias = jax.lax.all_gather(out_bias, expert_axes, axis=0, tiled=True)
     out = experts_lib.weighted_sum(wts, y, order, every_bias, flat)
     # (tokens are split over every expert axis here: all_to_all_accepts)
     return jax.lax.psum(out, mlp_axes) if mlp_axes else out
 
 
-def all_to_all_accepts(experts, x, wts, idx, *, local_e, expert_axes, token_axes, mlp_axes,
-                       out_bias, capacity_factor=0.0):  # fmt: skip
+def all_to_all_accepts(
+    experts,
+    x,
+    wts,
+    idx,
+    *,
+    local_e,
+    expert_axes,
+    token_axes,
+    mlp_axes,
+    out_bias,
+    capacity_factor=0.0,
+):
     """Tokens sharded over every expert axis (else each shard must see them all: gather),
     on a platform whose compiler takes the exchange (libtpu refuses ragged all-to-all on
     v5e: "not supported in limited ICI routing settings")."""

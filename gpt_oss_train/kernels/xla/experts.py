@@ -241,7 +241,7 @@ _row_bias.defvjp(_row_bias_fwd, _row_bias_bwd)
 
 # Up to this many (token, choice) pairs, streamed weights (CPU inference) take the pairs
 # one at a time (`pairwise`); from about 64 pairs the tiled grouped matmul, which reads
-# each chosen expert once, is as fast (python -m gpt_oss_train.tools.moe_benchmark
+# each chosen expert once, is as fast (python -m gpt_oss_train.tools.bench_moe
 # --mode=decode).
 PAIRWISE_MAX_PAIRS = 32
 

@@ -1,5 +1,5 @@
-"""The transformers side of `benchmark.py --compare_hf`, one process per run so its
-peak RSS is its own. Not meant to be run by hand (benchmark.py passes the shape).
+"""The transformers side of `bench_model.py --compare_hf`, one process per run so its
+peak RSS is its own. Not meant to be run by hand (bench_model.py passes the shape).
 
   --mode=train   GptOssForCausalLM (random init, the same shape) with torch AdamW on
                  random tokens: loss.backward, gradient clipping, optimizer step.

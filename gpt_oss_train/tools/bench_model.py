@@ -2,17 +2,17 @@
 JAX sees. No checkpoint and no data needed: a capacity-planning tool.
 
   # training step: step time, tokens/s/device, TFLOP/s/device, MFU, peak device memory
-  python -m gpt_oss_train.tools.benchmark --mode=train --config=configs/gpu_h100.py \
+  python -m gpt_oss_train.tools.bench_model --mode=train --config=configs/gpu_h100.py \
       --config.model.num_layers=2 --config.train.global_batch_size=4
 
   # decoding: prefill and decode tokens/s at each batch size, and the share of the
   # memory bandwidth the decode steps use (active weight bytes read per step / time)
-  python -m gpt_oss_train.tools.benchmark --mode=decode --config=configs/gpu_h100.py \
+  python -m gpt_oss_train.tools.bench_model --mode=decode --config=configs/gpu_h100.py \
       --batch_sizes=1,8 --prompt_len=128 --new_tokens=64
 
   # LoRA / QLoRA: the same step with the base frozen (config.lora), e.g. rank-16
   # adapters on an MXFP4 base; records carry lora_rank and base_format
-  python -m gpt_oss_train.tools.benchmark --mode=train --config=configs/cpu_bench.py \
+  python -m gpt_oss_train.tools.bench_model --mode=train --config=configs/cpu_bench.py \
       --config.lora.rank=16 --config.lora.base_format=mxfp4
 
   # where a decode step's device time goes: add --profile_dir=DIR (a JAX profiler trace
@@ -21,12 +21,12 @@ JAX sees. No checkpoint and no data needed: a capacity-planning tool.
   # against transformers on the same shape, in the same run (each side in its own
   # process, so each peak RSS is its own): training with torch AdamW (its best of
   # float32 and bfloat16 autocast), or prefill + generate on the same random weights
-  python -m gpt_oss_train.tools.benchmark --mode=train --config=configs/cpu_bench.py --compare_hf
-  python -m gpt_oss_train.tools.benchmark --mode=decode --config=configs/cpu_bench.py --compare_hf \
-      --batch_sizes=1,16 --prompt_len=128 --new_tokens=32
+  python -m gpt_oss_train.tools.bench_model --mode=train --config=configs/cpu_bench.py --compare_hf
+  python -m gpt_oss_train.tools.bench_model --mode=decode --config=configs/cpu_bench.py \
+      --compare_hf --batch_sizes=1,16 --prompt_len=128 --new_tokens=32
 
   # cost per training token as the expert count grows (top-k fixed), one process each
-  python -m gpt_oss_train.tools.benchmark --mode=train --config=configs/cpu_bench.py \
+  python -m gpt_oss_train.tools.bench_model --mode=train --config=configs/cpu_bench.py \
       --sweep_experts=8,32,128 --config.model.num_layers=2
 
 Prints one JSON object per measurement (and a table), so results can be collected. On a
@@ -299,7 +299,7 @@ def _profile_decode(model, opts):
 
 # ----------------------------------------------------------------------------- comparisons
 #
-# Each side runs in a process of its own (this tool again, or benchmark_hf), so the
+# Each side runs in a process of its own (this tool again, or bench_model_hf), so the
 # peak RSS each reports is its own and neither inherits the other's threads or caches.
 
 _PARENT_FLAGS = ("compare_hf", "nocompare_hf", "sweep_experts", "hf_dtypes")
@@ -324,7 +324,7 @@ def _hf_runs(args: list[str]) -> list[list[dict]]:
 
     native_bf16 = runtime.fast_bfloat16("cpu")  # transformers runs on the CPU
     dtypes = _HF_DTYPES.value or ["float32"] + (["bfloat16"] if native_bf16 else [])
-    return [_run_child("benchmark_hf", [*args, f"--dtype={d}"]) for d in dtypes]
+    return [_run_child("bench_model_hf", [*args, f"--dtype={d}"]) for d in dtypes]
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
@@ -337,7 +337,7 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 def compare_train(config):
     from gpt_oss_train import config as config_lib
 
-    (ours,) = _run_child("benchmark", _child_args())
+    (ours,) = _run_child("bench_model", _child_args())
     t = config.train
     arch = json.dumps(config_lib.model_arch(config))
     hf_args = ["--mode=train", f"--arch={arch}", f"--batch={t.global_batch_size}"]
@@ -359,7 +359,7 @@ def compare_train(config):
 def compare_decode(config):
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, "hf")
-        ours = _run_child("benchmark", [*_child_args(), f"--save_hf={hf_dir}"])
+        ours = _run_child("bench_model", [*_child_args(), f"--save_hf={hf_dir}"])
         hf_args = ["--mode=decode", f"--hf_dir={hf_dir}", f"--prompt_len={_PROMPT_LEN.value}"]
         hf_args += [f"--batch_sizes={','.join(_BATCH_SIZES.value)}"]
         hf_args += [f"--new_tokens={_NEW_TOKENS.value}"]
@@ -386,7 +386,7 @@ def compare_decode(config):
 def sweep_experts(config):
     rows = []
     for e in _SWEEP_EXPERTS.value:
-        (r,) = _run_child("benchmark", [*_child_args(), f"--config.model.num_experts={e}"])
+        (r,) = _run_child("bench_model", [*_child_args(), f"--config.model.num_experts={e}"])
         rows.append(r)
     base = rows[0]["tokens_per_sec"]
     for r in rows:

@@ -40,8 +40,8 @@ import dataclasses
 import re
 
 from gpt_oss_train import hardware
-from gpt_oss_train.tools import hlo_costs
-from gpt_oss_train.tools.hlo_text import Computation, Inst, MeshSpec, Module, nbytes, parse
+from gpt_oss_train.aot import hlo_costs
+from gpt_oss_train.aot.hlo_text import Computation, Inst, MeshSpec, Module, nbytes, parse
 
 # ----------------------------------------------------------------------------- the account
 

@@ -1,5 +1,5 @@
 """GRPO's rollouts: each training step's batch, sampled from the policy being trained
-(a top-level module: it joins training with the serving engine, a floor below training).
+(post-training: it joins training with the serving engine, a floor below training).
 
 For step s, `Rollouts.batch(state, s)` takes the next global_batch_size / group_size prompts
 of the prompt pipeline (shuffled from config.seed and resumable like any data pipeline),
@@ -12,10 +12,10 @@ is a function of (config.seed, s, row), so a resumed run samples exactly what th
 uninterrupted one did. Completions end at Harmony's end of turn (<|return|>, <|call|>) or
 after rl.max_new_tokens. Each is parsed (rewards.completion_record) and scored by the
 config's reward functions; advantages are normalised within each group
-(rl_losses.group_advantages); the rows (prompt + completion, only the completion trained)
-go to the GRPO train step (training/steps.py), with their advantages. `evaluate` samples
-greedily on held-out prompts (data.eval_source): mean reward and pass@1 (the share with a
-positive reward).
+(group_advantages); the rows (prompt + completion, only the completion trained) go to
+the GRPO train step (training/steps.py; its loss: training/objectives.py), with their
+advantages. `evaluate` samples greedily on held-out prompts (data.eval_source): mean
+reward and pass@1 (the share with a positive reward).
 
 The engine keeps no prefix cache (the weights change every step) and sits idle while the
 train step runs; its compiled steps are built once, at the first rollout.
@@ -29,6 +29,7 @@ import zlib
 from typing import NamedTuple
 
 import grain
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -37,10 +38,9 @@ from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.engine import PREFIX_BLOCK, Engine, EngineOptions, RequestParams
 from gpt_oss_train.model import lora
+from gpt_oss_train.post_training import prompts as prompts_lib
+from gpt_oss_train.post_training import rewards as rewards_lib
 from gpt_oss_train.training import data as data_lib
-from gpt_oss_train.training import prompts as prompts_lib
-from gpt_oss_train.training import rewards as rewards_lib
-from gpt_oss_train.training import rl_losses
 
 
 class Sampled(NamedTuple):
@@ -68,6 +68,24 @@ def engine_options(config) -> EngineOptions:
         prefix_cache_tokens=0,  # the weights change every step
         max_queue=rows,
     )
+
+
+def group_advantages(rewards, group_size: int, *, scale: bool = True, eps: float = 1e-4):
+    """[n*G] rewards, G consecutive completions per prompt -> [n*G] float32 advantages
+    A = r - mean(group), divided by (std(group) + eps) if `scale`. std is the unbiased one
+    (ddof=1), as TRL's torch.std; eps=1e-4 as TRL. A group of equal rewards gets A = 0.
+    scale=False is Dr. GRPO (Liu et al. 2025), which drops the division as a bias towards
+    groups of low reward variance (too easy or too hard prompts)."""
+    r = jnp.asarray(rewards, jnp.float32)
+    if r.ndim != 1 or r.shape[0] % group_size:
+        raise ValueError(f"rewards of shape {r.shape} do not split into groups of {group_size}")
+    if scale and group_size < 2:
+        raise ValueError("scaled advantages need group_size >= 2 (the unbiased std of one)")
+    groups = r.reshape(-1, group_size)
+    a = groups - jnp.mean(groups, axis=1, keepdims=True)
+    if scale:
+        a = a / (jnp.std(groups, axis=1, ddof=1, keepdims=True) + eps)
+    return a.reshape(-1)
 
 
 def prompt_pipeline(source, prompts_per_step: int, seed: int) -> data_lib.Pipeline:
@@ -194,9 +212,7 @@ class Rollouts:
         done = self._complete(state, prompts, params)
         rollout_s = time.perf_counter() - t0
         totals, per_fn = self._scores(records, done, self.group)
-        adv = np.asarray(
-            rl_losses.group_advantages(totals, self.group, scale=self.rl.scale_rewards)
-        )
+        adv = np.asarray(group_advantages(totals, self.group, scale=self.rl.scale_rewards))
 
         seq_len = self.c.train.seq_len
         rows = []

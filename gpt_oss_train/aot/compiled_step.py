@@ -1,7 +1,7 @@
 """A lowered program compiled for a TPU slice, and what the compiled program says: XLA's
 memory figures per chip, its cost analysis, and the step model's account and estimate
-(tools/step_model.py). Shared by every program aot_compile compiles (the train step, the
-serving engine's steps) and by maxtext_compile (MaxText's step).
+(step_model.py). Shared by every program the AOT check compiles (the train step, the
+serving engine's steps) and by MaxText's step (maxtext.py), so all read alike.
 
 `info` carries the model's side of a program: device_kind, devices, the model FLOPs and
 tokens per step and chip (model_flops_per_device, tokens_per_step), and the share of a
@@ -95,11 +95,11 @@ def finish(info: dict, compiled, mesh) -> dict:
 
 
 def step_model_figures(info: dict, compiled, mesh) -> dict:
-    """The step-time model (tools/step_model.py) of the compiled step, per device: the
+    """The step-time model (step_model.py) of the compiled step, per device: the
     HLO's FLOPs, HBM bytes, collectives and custom calls with loop trip counts applied,
     and the step time, tokens/s and MFU they imply on this chip."""
     from gpt_oss_train import hardware
-    from gpt_oss_train.tools import hlo_text, step_model
+    from gpt_oss_train.aot import hlo_text, step_model
 
     acct = step_model.account(
         compiled.as_text(), hlo_text.MeshSpec.from_jax(mesh), ragged_rows=info["ragged_rows"]

@@ -1,6 +1,6 @@
 """Our GRPO against TRL's GRPOTrainer: the same model, prompts, reward and settings.
 
-  python -m gpt_oss_train.tools.grpo_vs_trl --init_from=runs/cpu_tiny \
+  python -m gpt_oss_train.tools.bench_grpo_vs_trl --init_from=runs/cpu_tiny \
       --workdir=runs/grpo_vs_trl --plot=docs/grpo_vs_trl.png
 
 Needs the `bench` extra (trl, matplotlib). In one invocation, back to back:
@@ -121,7 +121,7 @@ class OurReward:
 
     def __init__(self, spec: str, weights: str, columns: list[str]):
         from gpt_oss_train.io.tokenizer import Tokenizer
-        from gpt_oss_train.training import rewards as rewards_lib
+        from gpt_oss_train.post_training import rewards as rewards_lib
 
         self.lib, self.tokenizer, self.columns = rewards_lib, Tokenizer(), columns
         self.rewards = rewards_lib.load_rewards(spec, weights)
@@ -142,8 +142,8 @@ def prompt_rows(c, steps: int) -> list[dict]:
     """The prompts our rollouts draw, in their order (the same shuffled pipeline), as TRL
     dataset rows {"prompt": messages, **extra}: TRL reads them in order (no shuffle), so
     step s of both sides samples the same prompts."""
-    from gpt_oss_train import rollouts
-    from gpt_oss_train.training import prompts as prompts_lib
+    from gpt_oss_train.post_training import prompts as prompts_lib
+    from gpt_oss_train.post_training import rollouts
 
     source = prompts_lib.make_prompt_source(c.data.source, seed=c.seed)
     pipeline = rollouts.prompt_pipeline(
@@ -210,15 +210,48 @@ def run_trl(c, hf_dir: str, workdir: str) -> dict:
 
     _replace(workdir)
     load, t0 = os.getloadavg()[0], time.perf_counter()
-    t, rl = c.train, c.rl
-    rows = prompt_rows(c, t.steps)
+    rl = c.rl
+    rows = prompt_rows(c, c.train.steps)
     reward = OurReward(rl.rewards, rl.reward_weights, [k for k in rows[0] if k != "prompt"])
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     chat_kwargs = {"reasoning_effort": rl.reasoning_effort}  # TRL's template default: medium
     same = prompt_ids_match(rows, tokenizer, chat_kwargs, rl.reasoning_effort)
+    optimizers = our_optimizer(c, model)
+    args = trl_config(c, workdir, chat_kwargs)
+    timings = {"step_s": [], "rollout_s": [], "generate_s": []}
+    trainer_cls, clock = _timed_trainer(trl.GRPOTrainer, transformers.TrainerCallback, timings)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+        optimizers=optimizers,
+        callbacks=[clock],
+    )
+    trainer.train()
+    wall = time.perf_counter() - t0
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    return {
+        "reward": reward.means,
+        **timings,
+        "learn_s": [s - r for s, r in zip(timings["step_s"], timings["rollout_s"])],
+        "learning_rate": lrs,
+        "wall_s": wall,
+        "loadavg_before": load,
+        "loadavg_after": os.getloadavg()[0],
+        "prompt_ids_equal": same,
+        "torch_threads": torch.get_num_threads(),
+        "versions": {m.__name__: m.__version__ for m in (trl, transformers, torch)},
+    }
 
-    # AdamW and the schedule as ours: TRL takes a ready optimizer and scheduler.
+
+def our_optimizer(c, model):
+    """(torch AdamW, its LambdaLR) as ours: TRL takes a ready optimizer and scheduler."""
+    import torch
+
+    t = c.train
     opt = torch.optim.AdamW(
         model.parameters(),
         t.learning_rate,
@@ -228,7 +261,15 @@ def run_trl(c, hf_dir: str, workdir: str) -> dict:
     )
     factors = lr_factors(c)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: factors[min(k, len(factors) - 1)])
-    args = trl.GRPOConfig(
+    return opt, sched
+
+
+def trl_config(c, workdir: str, chat_kwargs: dict):
+    """TRL's GRPOConfig with every setting it shares with ours read from our config."""
+    import trl
+
+    t, rl = c.train, c.rl
+    return trl.GRPOConfig(
         output_dir=workdir,
         max_steps=t.steps,
         per_device_train_batch_size=t.global_batch_size,  # one update per rollout batch
@@ -256,32 +297,6 @@ def run_trl(c, hf_dir: str, workdir: str) -> dict:
         report_to="none",
         disable_tqdm=True,
     )
-    timings = {"step_s": [], "rollout_s": [], "generate_s": []}
-    trainer_cls, clock = _timed_trainer(trl.GRPOTrainer, transformers.TrainerCallback, timings)
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=reward,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
-        optimizers=(opt, sched),
-        callbacks=[clock],
-    )
-    trainer.train()
-    wall = time.perf_counter() - t0
-    lrs = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
-    return {
-        "reward": reward.means,
-        **timings,
-        "learn_s": [s - r for s, r in zip(timings["step_s"], timings["rollout_s"])],
-        "learning_rate": lrs,
-        "wall_s": wall,
-        "loadavg_before": load,
-        "loadavg_after": os.getloadavg()[0],
-        "prompt_ids_equal": same,
-        "torch_threads": torch.get_num_threads(),
-        "versions": {m.__name__: m.__version__ for m in (trl, transformers, torch)},
-    }
 
 
 def prompt_ids_match(rows, tokenizer, chat_kwargs: dict, effort: str) -> str:

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from gpt_oss_train.tools.hlo_text import (
+from gpt_oss_train.aot.hlo_text import (
     NAME,
     Computation,
     Inst,

@@ -1,20 +1,16 @@
-"""The serving engine's programs compiled for a TPU slice from this CPU (aot_compile's
---program=decode|prefill|grpo): the same memory verdict and step model as the train step.
+"""The serving engine's programs compiled for a TPU slice from this CPU (the AOT check's
+--program=decode|prefill): the same memory verdict and step model as the train step, so
+a serving deployment is sized before it is booked, as a training run is.
 
   decode   one token for each of `slots` rows, every row at position `context` - 1: the
            step that bounds a full batch (inference/engine_steps.py's decode)
   prefill  one `chunk` of one slot's prompt, ending at position `context` - 1
 
-A GRPO run's phases (aot_compile --program=grpo compiles its learner step beside the
-engine's programs on the trained weights): what stays resident across them, the engine's
-KV cache while the learner runs and the optimizer state while the engine samples, and a
-rollout's time from the step model.
-
 Serving weights are config.model's in config.param_dtype, or with --weights in one of the
 frozen-base forms (model/frozen_base.py: bfloat16, int8, mxfp4 - the published
 checkpoints' packed experts, decoded inside the layer scan); adapters are not compiled.
 The KV cache and every weight are placed by config.logical_axis_rules as the engine
-places them.
+places them. A GRPO run compiles the same programs on its trained weights (grpo.py).
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from gpt_oss_train.tools import compiled_step
+from gpt_oss_train.aot import compiled_step
 
-GiB = 2**30
 ENGINE_PROGRAMS = ("decode", "prefill")
 
 
@@ -149,103 +144,3 @@ def compile_program(
     info["weights"] = weights if weights != "param_dtype" else config.param_dtype
     info["lower_s"] = time.perf_counter() - t0
     return compiled_step.compile_lowered(info, lowered, mesh, rules, dump_dir)
-
-
-def phases(r: dict, beside_engine: int) -> dict:
-    """Bytes per device of a GRPO step's two phases: the learner's step with the engine's
-    KV cache kept, and each engine program with the optimizer state (`beside_engine`)."""
-    learner, decode, prefill = r["learner"], r["decode"], r["prefill"]
-    if any(p["error"] for p in (learner, decode, prefill)):
-        return {}
-    cache = decode["kv_cache_bytes_per_device"]
-    return {
-        "learning": learner["total_bytes"] + cache,
-        "rollout": max(decode["total_bytes"], prefill["total_bytes"]) + beside_engine,
-        "kv_cache": cache,
-        "beside_engine": beside_engine,
-    }
-
-
-def rollout_estimate(r: dict, config) -> dict:
-    """A rollout's seconds from the step model: every row's prompt prefilled one chunk a
-    call (the engine prefills one slot at a time), then max_new_tokens decode steps of
-    the whole batch at the longest context (an upper bound: contexts grow from the
-    prompt's end)."""
-    rl = config.rl
-    step = lambda p: (r[p].get("estimate") or {}).get("step_s")
-    prefill_s, decode_s = step("prefill"), step("decode")
-    if prefill_s is None or decode_s is None:
-        return {}
-    chunks = -(-rl.max_prompt_tokens // r["prefill"]["shape"]["chunk"])
-    rows = config.train.global_batch_size
-    out = {"prefill_s": rows * chunks * prefill_s, "decode_s": rl.max_new_tokens * decode_s}
-    out["rollout_s"] = out["prefill_s"] + out["decode_s"]
-    learner_s = (r["learner"].get("estimate") or {}).get("step_s")
-    if learner_s:
-        out["learner_s"] = learner_s
-        out["grpo_step_s"] = out["rollout_s"] + learner_s
-    return out
-
-
-# -- the report -----------------------------------------------------------------------------
-
-
-def setup_lines(r: dict) -> list[str]:
-    s = r["shape"]
-    what = (
-        f"decode step of {s['slots']} rows at position {s['context'] - 1}"
-        if r["program"] == "decode"
-        else f"prefill chunk of {s['chunk']} tokens ending at position {s['context'] - 1}"
-    )
-    return [
-        f"target      {r['devices']} x {r['device_kind']} ({r['topology']}), mesh {r['mesh']}",
-        f"compiler    libtpu {r['libtpu_version']}"
-        + (f", LIBTPU_INIT_ARGS={r['libtpu_init_args']}" if r["libtpu_init_args"] else ""),
-        f"program     the engine's {what}",
-        f"model       {r['params_total'] / 1e9:.2f}B params ({r['params_active'] / 1e9:.2f}B "
-        f"active), weights {r['weights']}",
-        f"time        lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
-        f"weights     {r['weights_bytes_per_device'] / GiB:.2f} GiB per device; KV cache "
-        f"{r['kv_cache_bytes_per_device'] / GiB:.2f} GiB ({s['slots']} slots x "
-        f"{s['context']} positions" + (", int8" if s["int8_kv_cache"] else "") + ")",
-    ]
-
-
-def decode_line(r: dict) -> list[str]:
-    e = r.get("estimate") or {}
-    if r["program"] != "decode" or not e.get("step_s"):
-        return []
-    rows = r["shape"]["slots"]
-    return [
-        f"decode      {rows / e['step_s']:.0f} tokens/s for the slice at {rows} rows "
-        f"({1e3 * e['step_s']:.2f} ms a step; each row {1 / e['step_s']:.0f} tokens/s)"
-    ]
-
-
-def grpo_lines(r: dict, hbm: int | None) -> list[str]:
-    p, est = r["phases"], r["rollout_estimate"]
-    lines = ["GRPO step:"]
-    if not p:
-        return lines + ["  a program did not compile: no phase figures"]
-    g = lambda b: f"{b / GiB:.2f} GiB"
-    lines += [
-        f"  learning  {g(p['learning'])} = the learner step's total + the engine's KV cache "
-        f"({g(p['kv_cache'])}, kept between rollouts)",
-        f"  rollout   {g(p['rollout'])} = the larger engine program's total + the optimizer "
-        f"state and any reference copy ({g(p['beside_engine'])})",
-    ]
-    if est:
-        lines.append(
-            f"  estimate  rollout {est['rollout_s']:.1f} s (prefill {est['prefill_s']:.1f} s, "
-            f"one slot a call; decode {est['decode_s']:.1f} s at the longest context)"
-            + (
-                f" + learner {est['learner_s']:.2f} s = {est['grpo_step_s']:.1f} s a step"
-                if "learner_s" in est
-                else ""
-            )
-        )
-    if hbm:
-        peak = max(p["learning"], p["rollout"])
-        word = "fits" if peak <= hbm else "does not fit"
-        lines.append(f"verdict     {word} ({g(peak)} at the larger phase, of {hbm / GiB:g} GiB)")
-    return lines

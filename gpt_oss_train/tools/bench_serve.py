@@ -1,7 +1,7 @@
 """Load test: our server, `transformers serve` and decode's static batch on the same random
 Hugging Face checkpoint and the same requests (localhost only, a fixed number of them).
 
-    python -m gpt_oss_train.tools.load_test [--checkpoint=HF_DIR] [--concurrency=1,4,16,64] \
+    python -m gpt_oss_train.tools.bench_serve [--checkpoint=HF_DIR] [--concurrency=1,4,16,64] \
         [--requests=64] [--out=docs/load_test] [--skip_transformers]
 
 Requests: text prompts of whole-word tokens (so every tokenizer gives the same ids) with
@@ -29,7 +29,7 @@ import time
 from absl import app, flags
 
 from gpt_oss_train.inference.server.local import free_port, wait_ready
-from gpt_oss_train.tools import load_client
+from gpt_oss_train.tools import bench_serve_client as client
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", None, "HF folder (default: a random tiny one in a temp dir).")
@@ -131,16 +131,16 @@ def measure_server(name, cmd_fn, ckpt, reqs, levels, model, workdir) -> dict:
     proc = start(cmd_fn(ckpt, port), port, os.path.join(workdir, f"{name}.log"))
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
-        load_client.run_level(url, model, reqs[:2], 1)  # warm-up: compile, first load
+        client.run_level(url, model, reqs[:2], 1)  # warm-up: compile, first load
         rows = {}
         for c in levels:
             n = max(FLAGS.requests, c)
-            before = load_client.counters(url)
-            rows[c] = load_client.run_level(url, model, (reqs * 4)[:n], c)
-            after = load_client.counters(url)
-            rows[c].update(load_client.step_profile(before, after, rows[c]["wall_s"]))
-            print(f"{name} c={c}: {load_client.fmt(rows[c])}", flush=True)
-        extra = load_client.prefix_cache_ttft(url, model, reqs) if name == "ours" else {}
+            before = client.counters(url)
+            rows[c] = client.run_level(url, model, (reqs * 4)[:n], c)
+            after = client.counters(url)
+            rows[c].update(client.step_profile(before, after, rows[c]["wall_s"]))
+            print(f"{name} c={c}: {client.fmt(rows[c])}", flush=True)
+        extra = client.prefix_cache_ttft(url, model, reqs) if name == "ours" else {}
     finally:
         stop(proc)
     return {"levels": rows, **extra}
@@ -150,7 +150,7 @@ def static_batch(ckpt: str, reqs: list[dict], workdir: str) -> dict:
     path = os.path.join(workdir, "static_requests.json")
     with open(path, "w") as f:
         json.dump(reqs, f)
-    tool = [sys.executable, "-m", "gpt_oss_train.tools.load_test"]
+    tool = [sys.executable, "-m", "gpt_oss_train.tools.bench_serve"]
     cmd = [*tool, "--mode=static", f"--checkpoint={ckpt}"]
     out = subprocess.run(cmd + [f"--static_input={path}"], capture_output=True, text=True)
     if out.returncode:
@@ -204,8 +204,8 @@ def main(argv):
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    load_client.plot(results, levels, FLAGS.out + ".png")
-    print(load_client.markdown(results, levels))
+    client.plot(results, levels, FLAGS.out + ".png")
+    print(client.markdown(results, levels))
     return 0
 
 

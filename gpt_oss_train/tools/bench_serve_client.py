@@ -1,4 +1,4 @@
-"""The client side of load_test.py: concurrent streamed completions against an
+"""The client side of bench_serve.py: concurrent streamed completions against an
 OpenAI-compatible server on localhost, their timings, and the table and plot."""
 
 from __future__ import annotations

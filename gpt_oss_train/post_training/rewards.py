@@ -95,7 +95,7 @@ BUILTINS = {
     "exact_answer": f"{__name__}:exact_answer",
     "format": f"{__name__}:format",
     "whitespace": f"{__name__}:whitespace",
-    "reasoning_gym_score": "gpt_oss_train.training.prompts:reasoning_gym_score",
+    "reasoning_gym_score": "gpt_oss_train.post_training.prompts:reasoning_gym_score",
 }
 # Built-ins whose package comes with the `rl` extra: target -> (module, package).
 _NEEDS = {

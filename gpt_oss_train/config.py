@@ -57,17 +57,22 @@ DEFAULT_RULES = (
     ("cache_head_dim", None),
 )
 
-# Names. This module sits above kernels and below the model (tests/test_layering.py), so a
+# Names. This module sits above kernels and below the model (tests/e2e/test_layering.py), so a
 # name list is declared once where its owner and this module can both see it: the kernels'
 # names in kernels/registry.py; the model's registries of code (model/remat.POLICIES,
 # model/moe.EXPERT_IMPLS) keep theirs and refuse an unknown config.remat_policy or
 # config.moe_impl themselves when a ModelDef is made, before any compute; the lists that
 # are plain data sit on a floor this module reads, below the model that takes them from
 # there: BASE_FORMATS here (model/frozen_base.py), and architecture.LORA_TARGETS, the table
-# of the weights LoRA can adapt, by which a LoraSpec orders its targets.
+# of the weights LoRA can adapt, by which a LoraSpec orders its targets. So do the names
+# of training's and post-training's options, declared here and read from here above: the
+# objectives (training/objectives.py's OBJECTIVES table holds one entry for each, checked
+# when it is imported), GRPO's averagings (training/rl_losses.py's AVERAGINGS) and the
+# reasoning efforts (post_training/prompts.py checks a prompt's own against them).
 DTYPES = ("float32", "bfloat16", "float16")
-OBJECTIVES = ("lm", "dpo", "grpo")  # config.train.objective; training/steps.py's OBJECTIVES
-GRPO_AVERAGINGS = ("sequence", "token", "dr_grpo")  # training/rl_losses.py's AVERAGINGS
+OBJECTIVES = ("lm", "dpo", "grpo")  # config.train.objective
+GRPO_AVERAGINGS = ("sequence", "token", "dr_grpo")  # config.rl.averaging: TRL's loss_type names
+REASONING_EFFORTS = ("low", "medium", "high")  # config.rl.reasoning_effort, Harmony's
 # config.dtype may also be "auto": bfloat16 where the hardware multiplies it natively,
 # float32 elsewhere (runtime.resolve_dtype, for the platform the program runs on); inference
 # under "auto" also keeps the weights in that dtype (inference/loading.py).
@@ -192,7 +197,7 @@ def _post_training_defaults() -> tuple[ml_collections.ConfigDict, ml_collections
     # smoothing as cDPO. The reference is the base with the adapters off under LoRA, else
     # a frozen copy of the starting parameters.
     dpo = ml_collections.ConfigDict(dict(beta=0.1, label_smoothing=0.0))
-    # GRPO (train.objective="grpo", rollouts.py): each step samples group_size
+    # GRPO (train.objective="grpo", post_training/rollouts.py): each step samples group_size
     # completions of global_batch_size / group_size prompts (data.source: a chat JSONL of
     # prompts, or rl:reasoning_gym:TASK) from the live policy, rewards them, and takes
     # num_iterations optimizer updates on the clipped objective with group-normalised
@@ -204,7 +209,7 @@ def _post_training_defaults() -> tuple[ml_collections.ConfigDict, ml_collections
             max_new_tokens=128,  # train.seq_len must hold both
             temperature=1.0,
             top_p=1.0,
-            reasoning_effort="low",  # for prompts that name none
+            reasoning_effort="low",  # one of REASONING_EFFORTS, for prompts that name none
             # Reward functions "pkg.module:function,..." (built-ins: exact_answer, format);
             # "" takes the prompt source's own (rl:reasoning_gym:TASK's scorer).
             rewards="",
@@ -467,29 +472,53 @@ def _validate_dpo(dpo: ml_collections.ConfigDict, t: ml_collections.ConfigDict):
 
 
 def _validate_rl(rl: ml_collections.ConfigDict, t: ml_collections.ConfigDict):
-    _check(isinstance(rl.group_size, int) and rl.group_size >= 2, "rl.group_size",
-           f"must be an integer >= 2 (advantages compare completions of a prompt), got "
-           f"{rl.group_size!r}")  # fmt: skip
-    _check(t.global_batch_size % rl.group_size == 0, "train.global_batch_size",
-           f"{t.global_batch_size} rows must hold whole groups of rl.group_size="
-           f"{rl.group_size}")  # fmt: skip
-    _check(t.grad_accum_steps == 1, "train.grad_accum_steps",
-           "GRPO takes its rollout batch in one step (grad_accum_steps=1)")  # fmt: skip
-    _check(rl.max_prompt_tokens > 0 and rl.max_new_tokens > 0, "rl.max_new_tokens",
-           "rl.max_prompt_tokens and rl.max_new_tokens must be > 0")  # fmt: skip
-    _check(t.seq_len >= rl.max_prompt_tokens + rl.max_new_tokens, "train.seq_len",
-           f"{t.seq_len} cannot hold rl.max_prompt_tokens + rl.max_new_tokens = "
-           f"{rl.max_prompt_tokens + rl.max_new_tokens}")  # fmt: skip
+    _check(
+        isinstance(rl.group_size, int) and rl.group_size >= 2,
+        "rl.group_size",
+        f"must be an integer >= 2 (advantages compare completions of a prompt), got "
+        f"{rl.group_size!r}",
+    )
+    _check(
+        t.global_batch_size % rl.group_size == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} rows must hold whole groups of rl.group_size={rl.group_size}",
+    )
+    _check(
+        t.grad_accum_steps == 1,
+        "train.grad_accum_steps",
+        "GRPO takes its rollout batch in one step (grad_accum_steps=1)",
+    )
+    _check(
+        rl.max_prompt_tokens > 0 and rl.max_new_tokens > 0,
+        "rl.max_new_tokens",
+        "rl.max_prompt_tokens and rl.max_new_tokens must be > 0",
+    )
+    _check(
+        t.seq_len >= rl.max_prompt_tokens + rl.max_new_tokens,
+        "train.seq_len",
+        f"{t.seq_len} cannot hold rl.max_prompt_tokens + rl.max_new_tokens = "
+        f"{rl.max_prompt_tokens + rl.max_new_tokens}",
+    )
     _check(rl.temperature > 0, "rl.temperature", "must be > 0: a group needs different samples")
     _check(0 < rl.top_p <= 1, "rl.top_p", "must be in (0, 1]")
-    _check(rl.averaging in GRPO_AVERAGINGS, "rl.averaging",
-           f"{rl.averaging!r} is not one of {GRPO_AVERAGINGS}")  # fmt: skip
+    _check(
+        rl.averaging in GRPO_AVERAGINGS,
+        "rl.averaging",
+        f"{rl.averaging!r} is not one of {GRPO_AVERAGINGS}",
+    )
     _check(rl.epsilon_low >= 0 and rl.epsilon_high >= 0, "rl.epsilon_low", "epsilons must be >= 0")
     _check(rl.kl_coef >= 0, "rl.kl_coef", "must be >= 0")
-    _check(isinstance(rl.num_iterations, int) and rl.num_iterations >= 1, "rl.num_iterations",
-           f"must be an integer >= 1, got {rl.num_iterations!r}")  # fmt: skip
-    _check(rl.reasoning_effort in ("low", "medium", "high"), "rl.reasoning_effort",
-           "must be low, medium or high")  # fmt: skip
+    _check(
+        isinstance(rl.num_iterations, int) and rl.num_iterations >= 1,
+        "rl.num_iterations",
+        f"must be an integer >= 1, got {rl.num_iterations!r}",
+    )
+    *others, last = REASONING_EFFORTS
+    _check(
+        rl.reasoning_effort in REASONING_EFFORTS,
+        "rl.reasoning_effort",
+        f"must be {', '.join(others)} or {last}",
+    )
 
 
 def _validate_lora(c: ml_collections.ConfigDict):

@@ -36,7 +36,7 @@ from gpt_oss_train import architecture, errors, hardware, hosts, logs, runtime, 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.errors import ConfigError, RunStopped
-from gpt_oss_train.io import storage, workdir_lock
+from gpt_oss_train.io import hf, storage, workdir_lock
 from gpt_oss_train.post_training import rollouts
 from gpt_oss_train.training import data as data_lib
 from gpt_oss_train.training import flops as flops_lib
@@ -57,8 +57,6 @@ def resolve_architecture(config) -> dict:
         return architecture.validate(config_lib.model_arch(config))
     if not storage.exists(src):
         raise ConfigError(f"config.checkpoint.init_from: {src} does not exist")
-    from gpt_oss_train.io import hf
-
     if ckpt_lib.is_orbax_checkpoint(src):
         arch = ckpt_lib.read_model_config(src)
     elif storage.is_remote(src):
@@ -127,8 +125,6 @@ def initial_state(setup: state_lib.TrainSetup, ckpt, pipeline) -> tuple[dict, di
     if ckpt_lib.is_orbax_checkpoint(src):
         params = ckpt_lib.load_params(src, abstract)[0]
     else:
-        from gpt_oss_train.io import hf
-
         params = hf.load_sharded(src, abstract)
     return setup.init_state(params), {}
 
@@ -324,8 +320,11 @@ class _Loop:
                 self.logger.after_step(self.step, {**out, **made}, self.skipped.total)
                 self.check_diverged()
                 if t.eval_every and self.step % t.eval_every == 0:
-                    held_out = (self.r.rollouts.evaluate(self.state) if self.r.rollouts
-                                else evaluate(setup, self.state["params"]))  # fmt: skip
+                    held_out = (
+                        self.r.rollouts.evaluate(self.state)
+                        if self.r.rollouts
+                        else evaluate(setup, self.state["params"])
+                    )
                     self.writer.write(self.step, held_out)
                 if self.check_stops():
                     return True

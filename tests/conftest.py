@@ -1,15 +1,26 @@
 """Every test runs on the CPU with 8 fake devices, so meshes of up to 8 can be tested, and
 with the Hugging Face hub switched off: the suite never downloads anything."""
 
+import atexit
 import contextlib
+import ctypes
 import functools
+import glob
+import hashlib
+import importlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 
 import pytest
+from support import ROOT, references
+from support import mxfp4_reference as mxfp4_ref
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
@@ -19,10 +30,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # One persistent compilation cache for the test run, subprocesses included: many tests build
 # the same tiny train step (several runs of one config, a CLI run and its resume).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
     _cache = tempfile.mkdtemp(prefix="gpt_oss_train_jax_cache.")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
@@ -32,18 +39,17 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # A developer's serving key would make every test server ask for it.
 os.environ.pop("GPT_OSS_TRAIN_API_KEY", None)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Builders shared by several test modules: fixtures, so no test module imports another.
+# Fixtures import the package (jax, the server stack) in their bodies: collecting the
+# tests imports none of it.
 
 
 def _cpu_kernel_reason(name: str) -> str | None:
     """None where kernels/cpu/<name>.py can run here (built now, or found built), else why
     not. Called from fixtures and the summary, never at collection: collecting the tests
     compiles nothing."""
-    import importlib
-
     return importlib.import_module(f"gpt_oss_train.kernels.cpu.{name}").unavailable()
 
 
@@ -51,7 +57,6 @@ def _cpu_kernel_reason(name: str) -> str | None:
 def cpu_kernel():
     """require(name) -> the module gpt_oss_train.kernels.cpu.<name>, built; the test is
     skipped with the reason ("no avx512_bf16", "no C++ compiler", ...) where it cannot run."""
-    import importlib
 
     def require(name: str):
         reason = _cpu_kernel_reason(name)
@@ -68,7 +73,8 @@ def cpu_kernel():
 # float64), the model, the MoE, the loss, every kernel at small shapes, config errors, one
 # train + resume and one server round trip, in minutes. Tests marked `full` (whole modules:
 # multi-process jobs, the GCS emulator, server load, the trained Harmony model, LoRA
-# training, AOT; single tests that take tens of seconds) run with `--full` too.
+# training, AOT; single tests that take tens of seconds) run with `--full` too. The other
+# markers (pyproject.toml) say what a test needs: `gpu`, `tpu` (libtpu), `multiprocess`.
 
 
 def pytest_addoption(parser):
@@ -77,25 +83,48 @@ def pytest_addoption(parser):
     )
 
 
-# Fixtures whose tests are in the full tier wherever they are: a GCS emulator process, a
-# model trained for minutes.
+# Fixtures only the full tier may use: a GCS emulator process, a model trained for minutes.
+# A test that uses one (directly or through another fixture) must be marked `full` itself.
 FULL_TIER_FIXTURES = ("gcs_bucket", "harmony_checkpoint")
 
 
-def _full_tier(item) -> bool:
-    fixtures = getattr(item, "fixturenames", ())
-    return item.get_closest_marker("full") is not None or any(
-        f in fixtures for f in FULL_TIER_FIXTURES
-    )
+def _marks_broken(items) -> list[str]:
+    """What breaks the marking rules: a heavy fixture in a test not marked `full`; a `gpu`
+    test marked `full` (`pytest -m gpu` without --full would deselect it)."""
+    broken = []
+    for item in items:
+        full = item.get_closest_marker("full") is not None
+        heavy = [f for f in FULL_TIER_FIXTURES if f in getattr(item, "fixturenames", ())]
+        if heavy and not full:
+            broken.append(f"{item.nodeid} uses {', '.join(heavy)} but is not marked `full`")
+        if full and item.get_closest_marker("gpu") is not None:
+            broken.append(f"{item.nodeid} is marked both `gpu` and `full`")
+    return broken
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module whose tests break the marking rules fails to collect, in every tier and in
+    every xdist worker, naming each test and what to mark."""
+    report = yield
+    if report.passed and isinstance(collector, (pytest.Module, pytest.Class)):
+        broken = _marks_broken(x for x in report.result if isinstance(x, pytest.Item))
+        if broken:
+            report.outcome = "failed"
+            report.longrepr = (
+                "tests marked wrongly (mark each @pytest.mark.full, or the module with "
+                "`pytestmark`; a GPU test stays out of the full tier):\n  " + "\n  ".join(broken)
+            )
+    return report
 
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--full"):
         return
-    full = [item for item in items if _full_tier(item)]
+    full = [item for item in items if item.get_closest_marker("full") is not None]
     if full:
         config.hook.pytest_deselected(items=full)
-        items[:] = [item for item in items if not _full_tier(item)]
+        items[:] = [item for item in items if item.get_closest_marker("full") is None]
     config._gpt_oss_train_full_tier = len(full)
     if hasattr(config, "workeroutput"):  # an xdist worker: tell the controller
         config.workeroutput["full_tier"] = len(full)
@@ -117,8 +146,6 @@ def _is_controller(config) -> bool:
 
 def pytest_configure(config):
     if _is_controller(config) and sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
@@ -143,9 +170,6 @@ def pytest_unconfigure(config):
     workers have exited by now, so what is left is an orphan."""
     if not (_is_controller(config) and sys.platform.startswith("linux")):
         return
-    import signal
-    import time
-
     left = _children(os.getpid())
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
@@ -180,8 +204,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("--full"):
         terminalreporter.write_line("full tier (--full): every test")
     else:
-        terminalreporter.write_line(f"default tier: {left} tests of the full tier not run "
-                                    "(python -m pytest --full runs them)")  # fmt: skip
+        terminalreporter.write_line(
+            f"default tier: {left} tests of the full tier not run "
+            "(python -m pytest --full runs them)"
+        )
     if config.option.collectonly:
         return  # collecting builds nothing
 
@@ -191,8 +217,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         (missing.append(f"{name} ({reason})") if reason else built.append(name))
     terminalreporter.write_sep("-", "CPU kernels")
     terminalreporter.write_line(f"built and tested: {', '.join(built) or 'none'}")
-    terminalreporter.write_line(f"not available here (XLA reference tested instead): "
-                                f"{', '.join(missing) or 'none'}")  # fmt: skip
+    terminalreporter.write_line(
+        f"not available here (XLA reference tested instead): {', '.join(missing) or 'none'}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -249,58 +276,21 @@ def random_hf_model(hf_tiny_config):
     return make
 
 
-def _read_hf_tree(path):
-    from gpt_oss_train.io import hf
-
-    ckpt = hf.HFCheckpoint(path)
-    tree = {}
-    for p in ckpt.param_paths():
-        *head, last = p.split("/")
-        node = tree
-        for k in head:
-            node = node.setdefault(k, {})
-        node[last] = ckpt.read(p)
-    return ckpt.model_config, tree
-
-
 @pytest.fixture(scope="session")
 def read_hf_tree():
     """read(path) -> (architecture, nested dict of float32 numpy arrays) of a whole (small)
-    Hugging Face checkpoint, through the project's reader."""
-    return _read_hf_tree
+    Hugging Face checkpoint, through the project's reader (support/hf_tree.py)."""
+    from support import hf_tree
 
-
-def _fp4(code: int) -> float:
-    """E2M1 from its bit fields: sign, 2 exponent bits (bias 1), 1 mantissa bit."""
-    sign = -1.0 if code & 8 else 1.0
-    exp, man = (code >> 1) & 3, code & 1
-    return sign * (man * 0.5 if exp == 0 else (1 + man * 0.5) * 2.0 ** (exp - 1))
-
-
-def _dequant_ref(blocks, scales):
-    """float64 loops: [..., out, nblk, 16] / [..., out, nblk] -> [..., in, out]."""
-    import numpy as np
-
-    *lead, o, g, _ = blocks.shape
-    b = blocks.reshape(-1, o, g, 16)
-    s = scales.reshape(-1, o, g)
-    out = np.zeros((b.shape[0], g * 32, o), np.float64)
-    for e in range(b.shape[0]):
-        for r in range(o):
-            for j in range(g):
-                for k in range(16):
-                    byte = int(b[e, r, j, k])
-                    scale = 2.0 ** (int(s[e, r, j]) - 127)
-                    out[e, j * 32 + 2 * k, r] = _fp4(byte & 0xF) * scale
-                    out[e, j * 32 + 2 * k + 1, r] = _fp4(byte >> 4) * scale
-    return out.reshape(*lead, g * 32, o)
+    return hf_tree.read_hf_tree
 
 
 @pytest.fixture(scope="session")
 def mxfp4_reference():
     """(fp4(code) -> float, dequantize(blocks, scales) -> float64 [..., in, out]): MXFP4
-    decoded from the OCP spec's bit fields by loops, independent of arrays/mxfp4.py."""
-    return _fp4, _dequant_ref
+    decoded from the OCP spec's bit fields by loops, independent of arrays/mxfp4.py
+    (support/mxfp4_reference.py)."""
+    return mxfp4_ref.fp4, mxfp4_ref.dequantize
 
 
 NARROW_MODEL = dict(hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16)
@@ -327,9 +317,6 @@ def small_config():
 def _sources_hash() -> str:
     """The package's Python sources and configs: a cached run is reused only while none of
     the code that made it has changed."""
-    import glob
-    import hashlib
-
     h = hashlib.sha256()
     paths = glob.glob(os.path.join(ROOT, "gpt_oss_train", "**", "*.py"), recursive=True)
     for path in sorted(paths + glob.glob(os.path.join(ROOT, "configs", "*.py"))):
@@ -343,8 +330,6 @@ def _sources_hash() -> str:
 def cpu_tiny_run():
     """An Orbax workdir of configs/cpu_tiny.py trained 3 steps (8 x 32 tokens), trained once
     per version of the code and kept under the temp dir, keyed by the sources' hash."""
-    import shutil
-    import tempfile
 
     from gpt_oss_train import config as config_lib
     from gpt_oss_train import train
@@ -373,10 +358,18 @@ def train_cli():
     def make(workdir, *overrides):
         narrow = [f"--config.model.{k}={v}" for k, v in NARROW_MODEL.items()]
         cmd = [
-            sys.executable, "-m", "gpt_oss_train.train", "--config=configs/cpu_tiny.py",
-            f"--workdir={workdir}", "--config.train.seq_len=16", "--config.train.log_every=1",
-            "--config.train.eval_every=0", "--config.data.max_docs=64", *narrow, *overrides,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gpt_oss_train.train",
+            "--config=configs/cpu_tiny.py",
+            f"--workdir={workdir}",
+            "--config.train.seq_len=16",
+            "--config.train.log_every=1",
+            "--config.train.eval_every=0",
+            "--config.data.max_docs=64",
+            *narrow,
+            *overrides,
+        ]
         return cmd, dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 
     return make
@@ -386,7 +379,6 @@ def train_cli():
 def pretokenized_corpus(tmp_path_factory):
     """A folder written by gpt_oss_train.tools.pretokenize from 80 files of Python's standard
     library (a few hundred thousand tokens), in-process."""
-    import shutil
 
     from gpt_oss_train.tools import pretokenize
     from gpt_oss_train.training import sources
@@ -404,13 +396,13 @@ GCS_TEST_BUCKET = "gpt-oss-train-test"
 
 @pytest.fixture(scope="session")
 def gcs_bucket(tmp_path_factory):
-    """gs://<bucket> on a local GCS emulator (tests/gcs_emulator.py), started once per session.
+    """gs://<bucket> on a local GCS emulator (tests/support/gcs_emulator.py), started once.
     Its address is put where each client looks: STORAGE_EMULATOR_HOST (gcsfs, which
     etils.epath uses, and google-cloud-storage; both then go anonymous),
     TENSORSTORE_GCS_HTTP_URL (TensorStore, Orbax's array writer) and
     CLOUD_STORAGE_EMULATOR_ENDPOINT (google-cloud-cpp, which ArrayRecord reads gs:// with).
     Child processes inherit them."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator.py")
+    script = os.path.join(ROOT, "tests", "support", "gcs_emulator.py")
     log = tmp_path_factory.mktemp("gcs_emulator") / "stderr.log"
     with open(log, "w") as stderr:
         proc = subprocess.Popen(
@@ -443,82 +435,39 @@ def gcs_dir(gcs_bucket):
     return f"{gcs_bucket}/{uuid.uuid4().hex[:12]}"
 
 
-def _expert_ffn(x, weights, idx, w, limit=7.0, alpha=1.702):
-    """float64, from the definition (moe.py's docstring): token t's output is the routing
-    weighted sum over its chosen experts e of
-    (min(x Wg + bg, limit) * sigmoid(alpha * gate) * (clip(x Wu + bu) + 1)) Wo + bo,
-    on dense [E, in, out] weights."""
-    import numpy as np
-
-    out = np.zeros((x.shape[0], w["wo"].shape[2]))
-    for t in range(x.shape[0]):
-        for weight, e in zip(weights[t], idx[t]):
-            gate = np.minimum(x[t] @ w["wi_gate"][e] + w["bi_gate"][e], limit)
-            up = np.clip(x[t] @ w["wi_up"][e] + w["bi_up"][e], -limit, limit)
-            act = gate / (1 + np.exp(-alpha * gate)) * (up + 1)
-            out[t] += weight * (act @ w["wo"][e] + w["bo"][e])
-    return out
-
-
 @pytest.fixture(scope="session")
 def expert_ffn_reference():
     """ffn(x [T, D], weights [T, k], idx [T, k], w: dict of dense expert arrays) -> the
-    MoE output in float64 (limit 7, alpha 1.702 as gpt-oss)."""
-    return _expert_ffn
-
-
-def _run_tool_json(name: str, *args: str) -> list[dict]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-    cmd = [sys.executable, "-m", f"gpt_oss_train.tools.{name}", *args]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    MoE output in float64 (limit 7, alpha 1.702 as gpt-oss; support/references.py)."""
+    return references.expert_ffn
 
 
 @pytest.fixture(scope="session")
 def run_tool_json():
     """run(name, *args) -> the JSON records `python -m gpt_oss_train.tools.<name>` prints,
     run on the CPU as a user would (a subprocess); fails the test on a non-zero exit."""
-    return _run_tool_json
+    from support import runners
+
+    return runners.run_tool_json
 
 
 @pytest.fixture(scope="session")
 def harmony_checkpoint():
     """A float32 HF folder of a tiny gpt-oss that has memorised the Harmony conversations in
-    tests/harmony_model.py (trained once, ~3 min on 2 cores, then cached under the temp dir)."""
-    import harmony_model
+    tests/support/harmony_model.py (trained once, ~3 min on 2 cores, then cached under the
+    temp dir)."""
+    from support import harmony_model
 
     return harmony_model.cached()
-
-
-@contextlib.contextmanager
-def _harmony_served(checkpoint, *, max_slots, max_context, model_name="tiny-harmony", **app):
-    """The HTTP server (in a thread, on a free loopback port) over a float32 engine on
-    `checkpoint`; `app`: create_app's other options (api_key, ...)."""
-    from gpt_oss_train.inference.engine import Engine
-    from gpt_oss_train.inference.server.app import create_app
-    from gpt_oss_train.inference.server.local import ThreadServer
-    from gpt_oss_train.io import tokenizer as tok_lib
-
-    engine = Engine.from_checkpoint(
-        checkpoint, dtype="float32", max_slots=max_slots, max_context=max_context,
-        prefill_chunk=64,
-    )  # fmt: skip
-    engine.start()
-    app = create_app(engine, tokenizer=tok_lib.Tokenizer(), model_name=model_name,
-                     max_context=max_context, vocab_size=tok_lib.VOCAB_SIZE, **app)  # fmt: skip
-    try:
-        with ThreadServer(app) as server:
-            yield server
-    finally:
-        engine.stop(0)
 
 
 @pytest.fixture(scope="session")
 def serve_harmony(harmony_checkpoint):
     """serve(max_slots=, max_context=, model_name=, **create_app options) -> a context
     manager serving the harmony_checkpoint model; `.url` is its address."""
-    return functools.partial(_harmony_served, harmony_checkpoint)
+    from support import runners
+
+    return functools.partial(runners.served, harmony_checkpoint)
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,12 @@ script gates on one field (`fits`) whatever it compiled."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
+import tempfile
 
+from gpt_oss_train import hardware
 from gpt_oss_train.aot import grpo, serving, tpu, train_step
 
 PROGRAMS = ("train", "decode", "prefill", "grpo")
@@ -28,8 +31,6 @@ def run(
 ) -> dict:
     """Compiles `program` (PROGRAMS) for the topology: its result, with the verdict; for
     "grpo", {"learner", "decode", "prefill": each program's result, "phases", ...}."""
-    import tempfile
-
     if num_slices > 1 and all(v == 1 for v in config.mesh_dcn.values()):
         # Multi-slice with no DCN split given: data parallelism across slices is the usual
         # choice (only the gradient reduction crosses the slow links, once per step).
@@ -53,8 +54,11 @@ def run(
             out = results["train_step"]
         elif program == "grpo":
             out = grpo.compile_program(config, devices, dump)
-            results = {"train_step": out["learner"], "_decode": out["decode"],
-                       "_prefill": out["prefill"]}  # fmt: skip
+            results = {
+                "train_step": out["learner"],
+                "_decode": out["decode"],
+                "_prefill": out["prefill"],
+            }
         else:
             out = serving.compile_program(config, devices, program, shape, weights, dump)
             results = {f"_{program}": out}
@@ -78,8 +82,6 @@ def run(
 
 def verdict(r: dict, hbm_override_gib: float = 0.0) -> dict:
     """Adds hbm_bytes and fits (None when the chip's HBM is unknown)."""
-    from gpt_oss_train import hardware
-
     r["hbm_bytes"] = hardware.hbm_bytes(r["device_kind"], hbm_override_gib)
     if r["error"]:
         r["fits"] = False
@@ -98,8 +100,6 @@ def memory_report(
     Buffers live at different times share memory, so the sum exceeds the peak. Only the
     report's first table, the temporaries: the tables after it are one allocation each
     (the arguments, already listed apart), not buffers the program adds."""
-    import glob
-
     reports = sorted(glob.glob(os.path.join(dump_dir, f"*{module}*memory-usage-report.txt")))
     if not reports:
         return None, []

@@ -13,11 +13,14 @@ from __future__ import annotations
 import math
 import time
 
+import jax
+
+from gpt_oss_train import hardware, sharding
+from gpt_oss_train.aot import hlo_text, step_model
+
 
 def bytes_per_device(tree) -> int:
     """Bytes of one device's shards of an array or a tree of (abstract) sharded arrays."""
-    import jax
-
     return sum(
         math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree)
     )
@@ -27,8 +30,6 @@ def ragged_rows(moe_impl: str, mesh, rules) -> float:
     """The share of a grouped matmul's rows that hold data: expert parallelism sizes them
     for the worst routing (every pair on one shard), so under balanced routing a ragged
     dot's rows hold data 1/expert of the time."""
-    from gpt_oss_train import sharding
-
     exp_axes = sharding.spec_axes(sharding.logical_to_spec(("exp",), rules)[0])
     return 1.0 / math.prod(mesh.shape[a] for a in exp_axes) if moe_impl == "sharded" else 1.0
 
@@ -38,10 +39,6 @@ def compile_lowered(info: dict, lowered, mesh, rules, dump_dir: str | None) -> d
     and step-model figures to `info` (which holds the model's side: device_kind, devices,
     model_flops_per_device, tokens_per_step, ragged_rows); with "error" set, and no memory
     breakdown, when XLA finds it does not fit."""
-    import jax
-
-    from gpt_oss_train import sharding
-
     # The dump holds XLA's memory-usage report, which it writes even when the program does
     # not fit: the only way to see what filled the memory in that case.
     options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "NONE"} if dump_dir else {}
@@ -98,9 +95,6 @@ def step_model_figures(info: dict, compiled, mesh) -> dict:
     """The step-time model (step_model.py) of the compiled step, per device: the
     HLO's FLOPs, HBM bytes, collectives and custom calls with loop trip counts applied,
     and the step time, tokens/s and MFU they imply on this chip."""
-    from gpt_oss_train import hardware
-    from gpt_oss_train.aot import hlo_text, step_model
-
     acct = step_model.account(
         compiled.as_text(), hlo_text.MeshSpec.from_jax(mesh), ragged_rows=info["ragged_rows"]
     )

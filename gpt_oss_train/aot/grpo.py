@@ -9,15 +9,14 @@ from __future__ import annotations
 import time
 
 from gpt_oss_train.aot import compiled_step, serving, train_step
+from gpt_oss_train.model import lora
+from gpt_oss_train.post_training import rollouts
 
 
 def compile_program(config, devices, dump_dir: str | None) -> dict:
     """The learner's train step and the rollout engine's decode and prefill on the same
     mesh and weights (LoRA: the frozen base with the trained adapters), and the memory of
     the two phases of a GRPO step."""
-    from gpt_oss_train.model import lora
-    from gpt_oss_train.post_training import rollouts
-
     if config.train.objective != "grpo":
         raise SystemExit("--program=grpo: the config's train.objective must be 'grpo'")
     t0 = time.perf_counter()

@@ -247,11 +247,16 @@ def conv_flops(comp: Computation, inst: Inst) -> float:
     w = _window(inst.attrs, len(spatial))
     pairs = math.prod(
         _window_pairs(
-            size[0][d], size[1][d], size[2][d],
-            w["stride"][i], w["pad_lo"][i], w["lhs_dil"][i], w["rhs_dil"][i],
+            size[0][d],
+            size[1][d],
+            size[2][d],
+            w["stride"][i],
+            w["pad_lo"][i],
+            w["lhs_dil"][i],
+            w["rhs_dil"][i],
         )
         for i, d in enumerate(spatial)
-    )  # fmt: skip
+    )
     return 2.0 * size[2]["b"] * size[2]["f"] * size[1]["i"] * pairs
 
 
@@ -315,17 +320,32 @@ CUSTOM_CALL_FLOPS = {
 # Kernels whose rows are grouped by expert (step_model's ragged_rows): TPU's, megablox's
 # and tokamax's (which MaxText runs)
 RAGGED_KERNELS = {
-    "ragged-dot-none", "gmm", "tgmm", "gmm_megablox", "gmm_megablox_transpose_rhs",
+    "ragged-dot-none",
+    "gmm",
+    "tgmm",
+    "gmm_megablox",
+    "gmm_megablox_transpose_rhs",
     "tgmm_megablox",
-}  # fmt: skip
+}
 
 # XLA's own bookkeeping custom calls: no kernel, no traffic of their own.
 XLA_MARKERS = {
-    "AllocateBuffer", "AssumeGatherIndicesInBound", "ConcatBitcast", "AsyncCollectiveStart",
-    "AsyncCollectiveDone", "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
-    "SPMDShardToFullShape", "LayoutConstraint", "SliceId", "ZeroCrop",  # (multi-slice)
-    "PrepareAsyncCallStart", "PrepareAsyncCallDone",  # (before a SparseCore call-start)
-}  # fmt: skip
+    "AllocateBuffer",
+    "AssumeGatherIndicesInBound",
+    "ConcatBitcast",
+    "AsyncCollectiveStart",
+    "AsyncCollectiveDone",
+    "GatherScatterIndicesBitpacked",
+    "Sharding",
+    "SPMDFullToShardShape",
+    "SPMDShardToFullShape",
+    "LayoutConstraint",
+    "SliceId",
+    "ZeroCrop",  # (multi-slice)
+    # (before a SparseCore call-start)
+    "PrepareAsyncCallStart",
+    "PrepareAsyncCallDone",
+}
 
 
 def is_xla_marker(inst: Inst) -> bool:
@@ -345,10 +365,23 @@ def kernel_name(inst: Inst) -> str:
 # Instructions that move no data of their own: names for buffers, control, or a
 # computation whose own instructions are counted where they run.
 _NO_TRAFFIC = {
-    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
-    "add-dependency", "partition-id", "replica-id", "opt-barrier", "while", "conditional",
-    "call", "call-start", "call-done", "domain",
-}  # fmt: skip
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "after-all",
+    "add-dependency",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "while",
+    "conditional",
+    "call",
+    "call-start",
+    "call-done",
+    "domain",
+}
 _SLICES = ("dynamic-slice", "slice", "gather")
 # Updates XLA runs in place on their first operand's buffer: they write only the update.
 # (A one-buffer scatter: a variadic one updates several buffers, which this reader treats
@@ -490,9 +523,14 @@ def host_bytes(comp: Computation, inst: Inst) -> float:
 # ----------------------------------------------------------------------------- collectives
 
 _COLLECTIVES = (
-    "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-    "collective-permute", "collective-broadcast",
-)  # fmt: skip
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
 
 
 def link_bytes(kind: str, result_bytes: float, n: int) -> float:

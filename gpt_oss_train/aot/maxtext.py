@@ -11,7 +11,11 @@ from __future__ import annotations
 import os
 import sys
 
+from jax.extend import backend
+
+from gpt_oss_train import config as config_lib
 from gpt_oss_train.aot import check, compiled_step, tpu
+from gpt_oss_train.training import flops as flops_lib
 
 
 def maxtext_topology(topology: str) -> str:
@@ -31,10 +35,11 @@ def _train_compile_module(maxtext_src: str):
     src = os.path.abspath(maxtext_src)
     sys.path.insert(0, src)
     if os.path.isdir(os.path.join(src, "maxtext", "trainers")):
+        # lazy: a checkout's, importable only once sys.path holds it (nothing of it ships)
         from maxtext.trainers.pre_train import train_compile
 
         return train_compile, os.path.join(src, "maxtext", "configs", "base.yml")
-    from MaxText import train_compile
+    from MaxText import train_compile  # lazy: as above
 
     return train_compile, os.path.join(src, "MaxText", "configs", "base.yml")
 
@@ -44,10 +49,9 @@ def _tokamax_targets(device) -> None:
     default device, which here is this host's CPU (where it has none): it is told the
     target's, as it would find on a TPU VM. Nothing else's default device changes."""
     try:
-        from tokamax._src.ops import op
+        from tokamax._src.ops import op  # lazy: optional dependency (MaxText's, if installed)
     except ImportError:
         return
-    from jax.extend import backend
 
     class _TargetBackend:
         def __getattr__(self, name):
@@ -101,9 +105,6 @@ def compile_maxtext(maxtext_src: str, model: str, topology: str, settings: list[
 def account(model: str, topology: str, compiled, mesh, config) -> dict:
     """The result fields of our own compiled programs (check.run's), for MaxText's
     compiled step, with the verdict."""
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train.training import flops as flops_lib
-
     arch = config_lib.model_preset(model)
     devices = mesh.devices.size
     seq = int(config.max_target_length)

@@ -218,8 +218,10 @@ def _traffic_lines(m: dict) -> list[str]:
     for t in rows:
         shape = re.sub(r"\{[^{}]*\}", "", t["shape"])[:44]  # without layouts
         source = t["source"].split("/")[-3:] if t["source"] else ["?"]
-        lines.append(f"    {_size(t['bytes']):>11} {t['runs']:5.0f}  {t['opcode'][:14]:14s} "
-                     f"{shape:44s} {'/'.join(source)[-60:]}")  # fmt: skip
+        lines.append(
+            f"    {_size(t['bytes']):>11} {t['runs']:5.0f}  {t['opcode'][:14]:14s} "
+            f"{shape:44s} {'/'.join(source)[-60:]}"
+        )
     return lines
 
 

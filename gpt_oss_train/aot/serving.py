@@ -18,7 +18,18 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+import jax.numpy as jnp
+
+from gpt_oss_train import architecture, sharding
+from gpt_oss_train import config as config_lib
 from gpt_oss_train.aot import compiled_step
+from gpt_oss_train.inference import engine as engine_lib
+from gpt_oss_train.inference.engine_steps import EngineSteps
+from gpt_oss_train.inference.sampling import SamplingRows
+from gpt_oss_train.model import frozen_base, kv_cache, parameters
+from gpt_oss_train.model.transformer import ModelDef
+from gpt_oss_train.training import flops
 
 ENGINE_PROGRAMS = ("decode", "prefill")
 
@@ -36,11 +47,6 @@ class Shape:
 def serving_model(config, devices, weights: str):
     """(ModelDef, mesh, rules, abstract params) of config.model served on `devices`, the
     weights in frozen-base form `weights` ("param_dtype": as config.param_dtype)."""
-    from gpt_oss_train import architecture, sharding
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train.model import frozen_base
-    from gpt_oss_train.model.transformer import ModelDef
-
     config_lib.validate(config)
     rules = sharding.validate_rules(config.logical_axis_rules)
     mesh = sharding.make_mesh(config.mesh, config.mesh_dcn, devices=devices)
@@ -56,15 +62,6 @@ def serving_model(config, devices, weights: str):
 
 def lower(md, mesh, rules, params, program: str, shape: Shape):
     """(the abstract KV cache, `program` lowered for the mesh)."""
-    import jax
-    import jax.numpy as jnp
-
-    from gpt_oss_train import sharding
-    from gpt_oss_train.inference import engine as engine_lib
-    from gpt_oss_train.inference.engine_steps import EngineSteps
-    from gpt_oss_train.inference.sampling import SamplingRows
-    from gpt_oss_train.model import kv_cache
-
     steps = EngineSteps(
         md,
         max_slots=shape.slots,
@@ -86,30 +83,43 @@ def lower(md, mesh, rules, params, program: str, shape: Shape):
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
 
         def rows(n):
-            settings = SamplingRows(f32(n), i32(n), f32(n), jax.ShapeDtypeStruct((n,), jnp.uint32),
-                                    i32(n))  # fmt: skip
+            settings = SamplingRows(
+                f32(n), i32(n), f32(n), jax.ShapeDtypeStruct((n,), jnp.uint32), i32(n)
+            )
             return settings, jax.ShapeDtypeStruct((n,), jnp.bool_), i32(n)
 
         if program == "decode":
             settings, want_top, adapter_ids = rows(shape.slots)
             lowered = steps.decode.lower(
-                params, cache, i32(shape.slots), i32(shape.slots), settings, want_top,
-                adapter_ids, rows=shape.slots, context=shape.context,
-            )  # fmt: skip
+                params,
+                cache,
+                i32(shape.slots),
+                i32(shape.slots),
+                settings,
+                want_top,
+                adapter_ids,
+                rows=shape.slots,
+                context=shape.context,
+            )
         else:
             settings, want_top, adapter_ids = rows(1)
             lowered = steps.prefill.lower(
-                params, cache, i32(), i32(1, shape.chunk), i32(1, shape.chunk), i32(),
-                settings, want_top, adapter_ids, context=shape.context,
-            )  # fmt: skip
+                params,
+                cache,
+                i32(),
+                i32(1, shape.chunk),
+                i32(1, shape.chunk),
+                i32(),
+                settings,
+                want_top,
+                adapter_ids,
+                context=shape.context,
+            )
     return cache, lowered
 
 
 def figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices) -> dict:
     """The program's model side: sizes, and the model FLOPs and tokens of one call."""
-    from gpt_oss_train.model import parameters
-    from gpt_oss_train.training import flops
-
     tokens = shape.slots if program == "decode" else shape.chunk
     counts = parameters.counts(md.cfg)
     return {

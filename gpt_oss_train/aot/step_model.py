@@ -123,8 +123,11 @@ def account(
                 acct.hbm_bytes += moved
                 if moved:
                     source = _OP_NAME.search(inst.attrs)
-                    acct.traffic.append(Traffic(moved, times, inst.opcode, inst.shape,
-                                                source.group(1) if source else ""))  # fmt: skip
+                    acct.traffic.append(
+                        Traffic(
+                            moved, times, inst.opcode, inst.shape, source.group(1) if source else ""
+                        )
+                    )
             acct.host_bytes += times * hlo_costs.host_bytes(comp, inst)
             coll = hlo_costs.collective(module, comp, inst, mesh, times)
             if coll:

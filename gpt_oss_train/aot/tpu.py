@@ -5,6 +5,7 @@ identity each result carries, since libtpu releases differ by GiBs on one step."
 from __future__ import annotations
 
 import os
+from importlib import metadata
 
 
 def offline_environment():
@@ -29,12 +30,16 @@ def devices(topology: str, num_slices: int = 1) -> list:
     """Compile-only TPU devices of `topology` (num_slices copies of it over DCN)."""
     offline_environment()
     try:
-        import libtpu  # noqa: F401  (only to give a clear message when it is missing)
+        # lazy: optional dependency (the `tpu` extra), imported only to give a clear message
+        # when it is missing
+        import libtpu  # noqa: F401
     except ImportError:
         raise SystemExit(
             "gpt_oss_train.tools.aot_compile needs libtpu, the TPU compiler: "
             "pip install -e '.[tpu]'"
         ) from None
+    # lazy: JAX after offline_environment(): the commands (tools/aot_compile.py,
+    # tools/maxtext_compile.py) import this module before anything loads JAX
     from jax.experimental import topologies
 
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -60,8 +65,6 @@ def devices(topology: str, num_slices: int = 1) -> list:
 def target(topology: str, num_slices: int) -> dict:
     """The slice and the compiler a result was compiled with (libtpu's version and the
     LIBTPU_INIT_ARGS it read), as every result records them."""
-    from importlib import metadata
-
     return dict(
         topology=topology,
         num_slices=num_slices,

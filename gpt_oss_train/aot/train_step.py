@@ -8,14 +8,17 @@ from __future__ import annotations
 import math
 import time
 
+import jax
+
 from gpt_oss_train.aot import compiled_step
+from gpt_oss_train.model import parameters
+from gpt_oss_train.training import flops
+from gpt_oss_train.training import state as state_lib
 
 
 def lower(config, devices):
     """(the training setup, train.py's step lowered for `devices`): the same builder,
     shardings and donated state train.py uses, from abstract values (nothing allocated)."""
-    from gpt_oss_train.training import state as state_lib
-
     setup = state_lib.build(config, devices=devices)
     with setup.scope():
         return setup, setup.train_step.lower(setup.abstract_state, setup.abstract_batch())
@@ -24,8 +27,6 @@ def lower(config, devices):
 def largest_arguments(setup, n: int) -> list[tuple[int, str]]:
     """The n largest per-device argument arrays of the step, (bytes, "path shape dtype"):
     named from the trees the step is called with (state, and a LoRA run's frozen base)."""
-    import jax
-
     trees = {"state": setup.abstract_state}
     if setup.frozen is not None:
         trees["frozen"] = setup.frozen.abstract
@@ -41,11 +42,6 @@ def _state_figures(setup, devices) -> dict:
     """The state's bytes per device against an even split over the mesh axes that shard
     any parameter: the gap is state left replicated, by rules that leave an axis out for
     some weights or by dims an axis does not divide (sharding.fit_spec drops it)."""
-    import jax
-
-    from gpt_oss_train.model import parameters
-    from gpt_oss_train.training import flops
-
     abstract = setup.abstract_state
     leaves = jax.tree.leaves({"params": abstract["params"], "opt_state": abstract["opt_state"]})
     state_bytes = sum(a.size * a.dtype.itemsize for a in leaves)

@@ -25,17 +25,17 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gpt_oss_train.config import REASONING_EFFORTS
 from gpt_oss_train.io import storage
 from gpt_oss_train.training.sources import (
     DataError,
-    _check_chat,
-    _expand,
-    _Replacements,
+    Replacements,
+    check_chat,
+    expand,
     read_jsonl_line,
     scan_jsonl,
 )
 
-EFFORTS = ("low", "medium", "high")
 _SPECS = "chat:PATH, a .jsonl file or rl:reasoning_gym:TASK[:SIZE]"
 
 
@@ -53,15 +53,17 @@ def _check_prompt(obj, where: str) -> None:
     if not isinstance(obj, dict) or "messages" not in obj:
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise DataError(f'{where}: expected an object like {{"messages": [...]}}, got {got}')
-    _check_chat(obj["messages"], where, trains=False)
+    check_chat(obj["messages"], where, trains=False)
     if obj["messages"][-1]["role"] == "assistant":
         raise DataError(
             f"{where}: the last message is the assistant's; a prompt ends where the "
             "assistant speaks next (after a user or tool message)"
         )
     effort = obj.get("reasoning_effort")
-    if effort is not None and effort not in EFFORTS:
-        raise DataError(f'{where}: "reasoning_effort" is {effort!r}; use one of {list(EFFORTS)}')
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise DataError(
+            f'{where}: "reasoning_effort" is {effort!r}; use one of {list(REASONING_EFFORTS)}'
+        )
 
 
 class ChatPrompts:
@@ -72,7 +74,7 @@ class ChatPrompts:
 
     def __init__(self, paths: list[str], name: str):
         self.paths, self.name = list(paths), name
-        self.replacements = _Replacements()
+        self.replacements = Replacements()
         rows = []  # (file index, byte offset, line number)
         for f_i, start, line_no, obj, where in scan_jsonl(self.paths, self.replacements):
             _check_prompt(obj, where)
@@ -96,7 +98,7 @@ class ChatPrompts:
 # --------------------------------------------------------------------------------------
 @functools.cache
 def _rg_dataset(task: str, size: int, seed: int):
-    import reasoning_gym
+    import reasoning_gym  # lazy: optional dependency (the `rl` extra)
 
     return reasoning_gym.create_dataset(task, size=size, seed=seed)
 
@@ -114,7 +116,7 @@ class ReasoningGymPrompts:
 
     def __init__(self, task: str, size: int, seed: int):
         try:
-            from reasoning_gym.factory import DATASETS
+            from reasoning_gym.factory import DATASETS  # lazy: optional dependency (`rl` extra)
         except ImportError:
             raise DataError(
                 f"rl:reasoning_gym:{task} needs the reasoning-gym package; "
@@ -175,7 +177,7 @@ def make_prompt_source(spec: str, *, seed: int, size: int = 1000):
         path = spec.removeprefix("chat:")
         if storage.is_remote(path):
             raise DataError(f"{spec}: prompts are read from local disk only; copy them here")
-        files, single = _expand(path)
+        files, single = expand(path)
         files = files if single else [f for f in files if f.endswith(".jsonl")]
         if not files:
             raise DataError(f"{spec}: no .jsonl files there")

@@ -64,7 +64,7 @@ def completion_record(token_ids: Sequence[int], tokenizer) -> dict[str, Any]:
 def exact_answer(prompt, completion, *, answer, **_) -> float:
     """1.0 if the final answer equals `answer` mathematically (math-verify: "\\boxed{1/2}",
     "0.5" and "The answer is 1/2." all match 0.5), else 0.0; text with no answer in it is 0.0."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # lazy: optional dependency (the `rl` extra)
 
     # math-verify bounds its sympy work with signal.alarm, which only the main thread may
     # set; elsewhere it would raise, so a reward scored in a worker thread goes unbounded.

@@ -135,11 +135,15 @@ class Rollouts:
         )
         self.eval_source = None
         if t.eval_every:
-            self.eval_source = prompts_lib.make_prompt_source(config.data.eval_source,
-                                                              seed=config.seed + 1)  # fmt: skip
-            prompts_lib.check_prompt_lengths(self.eval_source, self.tokenizer,
-                                             self.rl.max_prompt_tokens,
-                                             effort=self.rl.reasoning_effort)  # fmt: skip
+            self.eval_source = prompts_lib.make_prompt_source(
+                config.data.eval_source, seed=config.seed + 1
+            )
+            prompts_lib.check_prompt_lengths(
+                self.eval_source,
+                self.tokenizer,
+                self.rl.max_prompt_tokens,
+                effort=self.rl.reasoning_effort,
+            )
         self.engine: Engine | None = None
 
     def _engine(self, params) -> Engine:

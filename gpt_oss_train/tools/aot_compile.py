@@ -42,17 +42,19 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from gpt_oss_train.aot import check, report, serving, tpu
+from gpt_oss_train import errors
+from gpt_oss_train.aot import tpu
 
 
 def _define_flags():
     """Defined when run as a program only, so tests can import this module beside
     gpt_oss_train.train (which defines its own --config)."""
+    # lazy: these load JAX, after tpu.offline_environment() has set its environment
+    from gpt_oss_train.aot import check
     from gpt_oss_train.config import BASE_FORMATS
 
-    config_flags.DEFINE_config_file("config", "configs/tpu_v5e.py", "Config file.")
+    errors.define_config_flag("config", "configs/tpu_v5e.py", "Config file.")
     flags.DEFINE_string(
         "topology", "v5e:16x16", "TPU slice as libtpu names it: v5e:16x16, v6e:8x8, v5p:4x4x4"
     )
@@ -101,6 +103,8 @@ def _define_flags():
 
 def main(argv):
     del argv
+    from gpt_oss_train.aot import check, report, serving  # lazy: as in _define_flags
+
     f = flags.FLAGS
     config = f["config"].value
     if f.program in serving.ENGINE_PROGRAMS:
@@ -136,4 +140,4 @@ def _bare_json_to_stdout(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     tpu.offline_environment()
     _define_flags()
-    app.run(main, argv=_bare_json_to_stdout(sys.argv))
+    app.run(main, argv=_bare_json_to_stdout(sys.argv), flags_parser=errors.parse_flags)

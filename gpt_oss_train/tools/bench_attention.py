@@ -26,7 +26,15 @@ import json
 import time
 from contextlib import nullcontext
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
+
+from gpt_oss_train import errors
+from gpt_oss_train.kernels import Kernels
+from gpt_oss_train.kernels.gpu import flash_attention as flash
+from gpt_oss_train.kernels.gpu import interpret
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["8192"], "Sequence lengths.")
 _WINDOWS = flags.DEFINE_list("windows", ["128", "0"], "Band widths; 0 = full causal layer.")
@@ -57,20 +65,20 @@ def visible_pairs(seq: int, window: int | None) -> int:
 
 
 def _layer_fn(impl: str, window, positions, segments):
-    import jax
-    import jax.numpy as jnp
-
-    from gpt_oss_train.kernels import Kernels
-    from gpt_oss_train.kernels.gpu import flash_attention as flash
-
     def attend(q, k, v, sinks):
         if impl == "flash" and _FLASH_BLOCKS.value:  # the kernel itself, with these tiles
             blocks = flash.Blocks(*(int(b) for b in _FLASH_BLOCKS.value))
             return flash.flash_attention(q, k, v, sinks, positions, segments, window, blocks=blocks)
         return Kernels.of(attention=impl).attention(
-            q, k, v, sinks, positions=positions, segment_ids=segments, window=window,
+            q,
+            k,
+            v,
+            sinks,
+            positions=positions,
+            segment_ids=segments,
+            window=window,
             block=_BLOCK.value,
-        )  # fmt: skip
+        )
 
     def loss(q, k, v, sinks, cot):
         return jnp.sum(attend(q, k, v, sinks).astype(jnp.float32) * cot)
@@ -80,8 +88,6 @@ def _layer_fn(impl: str, window, positions, segments):
 
 def bench_one(seq: int, window, impl: str, args, positions, segments):
     """(record, outputs) for one back-end; outputs None if it ran out of memory."""
-    import jax
-
     fn = _layer_fn(impl, window, positions, segments)
     record = dict(impl=impl, seq_len=seq, window=window or None, batch=_BATCH.value)
     if impl == "flash" and _FLASH_BLOCKS.value:
@@ -113,12 +119,6 @@ def bench_one(seq: int, window, impl: str, args, positions, segments):
 
 def main(argv):
     del argv
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from gpt_oss_train.kernels.gpu import interpret
-
     b, n, kh, h = _BATCH.value, _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
     device = jax.devices()[0].device_kind
     for seq in (int(s) for s in _SEQ_LENS.value):
@@ -151,4 +151,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

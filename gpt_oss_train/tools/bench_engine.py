@@ -26,10 +26,15 @@ import statistics
 import threading
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
+import jax
+import numpy as np
+from absl import app, flags, logging
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_serve.py", "Model config.")
+from gpt_oss_train import errors, runtime, sharding
+from gpt_oss_train.inference import loading
+from gpt_oss_train.inference.engine import Engine, RequestParams
+
+_CONFIG = errors.define_config_flag("config", "configs/cpu_serve.py", "Model config.")
 _CONCURRENCY = flags.DEFINE_list("concurrency", ["1", "4", "16"], "Client counts.")
 _PER_CLIENT = flags.DEFINE_integer("requests_per_client", 2, "Requests each client sends.")
 _PROMPT_MIN = flags.DEFINE_integer("prompt_min", 32, "Shortest prompt.")
@@ -50,14 +55,10 @@ def _emit(record: dict):
 
 
 def _pct(xs, q):
-    import numpy as np
-
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def _requests(vocab: int, n: int, seed: int) -> list[list[int]]:
-    import numpy as np
-
     rng = np.random.RandomState(seed)
     lengths = rng.randint(_PROMPT_MIN.value, _PROMPT_MAX.value + 1, n)
     return [rng.randint(0, vocab, k).tolist() for k in lengths]
@@ -109,8 +110,6 @@ def _static(model, prompts, batch: int, max_tokens: int) -> float:
 
 
 def bench_throughput(engine, model):
-    from gpt_oss_train.inference.engine import RequestParams
-
     params = RequestParams(max_tokens=_MAX_TOKENS.value)
     for c in [int(x) for x in _CONCURRENCY.value]:
         prompts = _requests(model.cfg.vocab_size, c * _PER_CLIENT.value, _SEED.value + c)
@@ -123,10 +122,6 @@ def bench_throughput(engine, model):
 
 def bench_long_prompt(engine, vocab: int):
     """A stream's gaps between tokens before and while a long prompt is prefilled."""
-    import numpy as np
-
-    from gpt_oss_train.inference.engine import RequestParams
-
     rng = np.random.RandomState(_SEED.value + 1)
     stream = engine.submit(rng.randint(0, vocab, 32).tolist(), RequestParams(max_tokens=400))
     times, long_handle, long_sent = [], None, None
@@ -156,10 +151,6 @@ def bench_long_prompt(engine, vocab: int):
 
 
 def bench_prefix(engine, vocab: int):
-    import numpy as np
-
-    from gpt_oss_train.inference.engine import RequestParams
-
     rng = np.random.RandomState(_SEED.value + 2)
     params = RequestParams(max_tokens=1)
     cold, warm, cached = [], [], []
@@ -185,13 +176,6 @@ def bench_prefix(engine, vocab: int):
 
 def main(argv):
     del argv
-    import jax
-    from absl import logging
-
-    from gpt_oss_train import runtime, sharding
-    from gpt_oss_train.inference import loading
-    from gpt_oss_train.inference.engine import Engine
-
     logging.set_verbosity(logging.INFO)
     runtime.setup_process(sharding.platform())
     model = loading.random_model(_CONFIG.value, devices=jax.devices()[:1])
@@ -214,4 +198,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

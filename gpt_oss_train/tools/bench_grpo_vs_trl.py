@@ -44,6 +44,14 @@ import time
 
 from absl import app, flags
 
+from gpt_oss_train import errors
+from gpt_oss_train.config import from_file
+from gpt_oss_train.io.tokenizer import Tokenizer
+from gpt_oss_train.post_training import prompts as prompts_lib
+from gpt_oss_train.post_training import rewards as rewards_lib
+from gpt_oss_train.post_training import rollouts
+from gpt_oss_train.training import steps as steps_lib
+
 # The flags and their defaults; OPTS holds the run's values (main fills it from the flags,
 # defined only when this runs as a program: `workdir` and `config` are also train.py's).
 DEFAULTS = {
@@ -69,8 +77,12 @@ OPTS = {name: default for name, (default, _) in DEFAULTS.items()}
 
 
 def _define_flags():
-    define = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-              list: flags.DEFINE_list}  # fmt: skip
+    define = {
+        str: flags.DEFINE_string,
+        int: flags.DEFINE_integer,
+        float: flags.DEFINE_float,
+        list: flags.DEFINE_list,
+    }
     for name, (default, help_text) in DEFAULTS.items():
         define[type(default)](name, default, help_text)
 
@@ -101,8 +113,6 @@ def shared_settings() -> dict:
 
 def load_config(settings: dict):
     """Our config file with the shared settings applied, as the trainer's overrides apply."""
-    from gpt_oss_train.config import from_file
-
     c = from_file(OPTS["config"])
     for key, value in settings.items():
         section, name = key.split(".")
@@ -120,9 +130,6 @@ class OurReward:
     other fields, as rollouts.Rollouts does. Keeps each call's mean: one call a step."""
 
     def __init__(self, spec: str, weights: str, columns: list[str]):
-        from gpt_oss_train.io.tokenizer import Tokenizer
-        from gpt_oss_train.post_training import rewards as rewards_lib
-
         self.lib, self.tokenizer, self.columns = rewards_lib, Tokenizer(), columns
         self.rewards = rewards_lib.load_rewards(spec, weights)
         self.__name__ = "+".join(name for name, _, _ in self.rewards)  # TRL's metric name
@@ -142,9 +149,6 @@ def prompt_rows(c, steps: int) -> list[dict]:
     """The prompts our rollouts draw, in their order (the same shuffled pipeline), as TRL
     dataset rows {"prompt": messages, **extra}: TRL reads them in order (no shuffle), so
     step s of both sides samples the same prompts."""
-    from gpt_oss_train.post_training import prompts as prompts_lib
-    from gpt_oss_train.post_training import rollouts
-
     source = prompts_lib.make_prompt_source(c.data.source, seed=c.seed)
     pipeline = rollouts.prompt_pipeline(
         source, c.train.global_batch_size // c.rl.group_size, c.seed
@@ -161,8 +165,6 @@ def prompt_rows(c, steps: int) -> list[dict]:
 def lr_factors(c) -> list[float]:
     """Our schedule (training/steps.make_optimizer) as the factors of TRL's LambdaLR, one
     per optimizer update: TRL's own warmup starts from 0, ours from lr/warmup_steps."""
-    from gpt_oss_train.training import steps as steps_lib
-
     _, schedule = steps_lib.make_optimizer(c.train)
     return [float(schedule(k)) / c.train.learning_rate for k in range(c.train.steps)]
 
@@ -203,6 +205,7 @@ def run_ours(settings: dict, init_from: str, workdir: str) -> dict:
 
 def run_trl(c, hf_dir: str, workdir: str) -> dict:
     """TRL's GRPOTrainer with our config's settings (what cannot match: the docstring)."""
+    # lazy: optional dependency (the `bench` extra; torch and transformers take seconds)
     import datasets
     import torch
     import transformers
@@ -249,7 +252,7 @@ def run_trl(c, hf_dir: str, workdir: str) -> dict:
 
 def our_optimizer(c, model):
     """(torch AdamW, its LambdaLR) as ours: TRL takes a ready optimizer and scheduler."""
-    import torch
+    import torch  # lazy: optional dependency, as in run_trl
 
     t = c.train
     opt = torch.optim.AdamW(
@@ -266,7 +269,7 @@ def our_optimizer(c, model):
 
 def trl_config(c, workdir: str, chat_kwargs: dict):
     """TRL's GRPOConfig with every setting it shares with ours read from our config."""
-    import trl
+    import trl  # lazy: optional dependency, as in run_trl
 
     t, rl = c.train, c.rl
     return trl.GRPOConfig(
@@ -302,8 +305,6 @@ def trl_config(c, workdir: str, chat_kwargs: dict):
 def prompt_ids_match(rows, tokenizer, chat_kwargs: dict, effort: str) -> str:
     """'k/n': how many distinct prompts the HF tokenizer's chat template renders to the ids
     our rollouts feed the engine (Tokenizer.render_chat)."""
-    from gpt_oss_train.io.tokenizer import Tokenizer
-
     ours, seen, same = Tokenizer(), {}, 0
     for row in rows:
         seen[json.dumps(row["prompt"])] = row["prompt"]
@@ -399,10 +400,10 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
+    import matplotlib  # lazy: optional dependency (the `bench` extra; ~0.3 s to import)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the backend is chosen
 
     s = results["settings"]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -490,4 +491,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -45,10 +45,22 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_tiny.py", "Config file.")
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import errors, hardware, hosts, runtime, sharding
+from gpt_oss_train.decode import benchmarking
+from gpt_oss_train.inference import loading
+from gpt_oss_train.inference.generate import cache_length
+from gpt_oss_train.io import hf
+from gpt_oss_train.model import parameters
+from gpt_oss_train.training import flops
+from gpt_oss_train.training import state as state_lib
+
+_CONFIG = errors.define_config_flag("config", "configs/cpu_tiny.py", "Config file.")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "decode"], "What to time.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed training steps (after one warm-up step).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Decode batch sizes.")
@@ -89,8 +101,6 @@ _PEAK_BW = flags.DEFINE_float(
 
 
 def _emit(record: dict):
-    import jax
-
     if jax.process_index() == 0:  # on several processes, every one times the same steps
         print(json.dumps(record), flush=True)
 
@@ -109,9 +119,6 @@ def peak_rss_gb() -> float:
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes/s a jitted sum reads from a float32 array of `gib` GiB (best of `repeats`):
     the bound a batch-1 decode step, which reads each active weight once, runs against."""
-    import jax
-    import jax.numpy as jnp
-
     rows = int(gib * 2**30 / 4 / 4096)
     a = jnp.ones((rows, 4096), jnp.float32)
     total = jax.jit(lambda a: jnp.sum(jnp.sum(a, axis=1)))
@@ -125,13 +132,6 @@ def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def bench_train(config):
-    import jax
-    import numpy as np
-
-    from gpt_oss_train import hardware, sharding
-    from gpt_oss_train.training import flops
-    from gpt_oss_train.training import state as state_lib
-
     setup = state_lib.build(config)  # what train.py runs
     t, mc = config.train, setup.model_cfg
     state = setup.init_state()
@@ -195,10 +195,6 @@ def bench_train(config):
 
 def _profile_train_step(setup, state, batch):
     """One more (compiled) training step under the JAX profiler; prints where it went."""
-    import jax
-
-    from gpt_oss_train.decode import benchmarking
-
     out_dir = os.path.join(_PROFILE_DIR.value, "train")
     with jax.profiler.trace(out_dir, create_perfetto_trace=True):
         jax.block_until_ready(setup.train_step(state, batch))
@@ -208,21 +204,12 @@ def _profile_train_step(setup, state, batch):
 def active_weight_bytes(mc, bytes_per_weight: float) -> float:
     """Weights one decode step must read for one token: attention, router, k experts per
     layer, the unembedding ("active" parameters leave out the embedding, a one-row gather)."""
-    from gpt_oss_train.model import parameters
-
     return parameters.counts(mc)["active"] * bytes_per_weight
 
 
 def bench_decode(config):
     """decode's benchmark (decode/benchmarking.py) on random weights, plus the share of the
     memory bandwidth the decode steps reach (active weight bytes per step / step time)."""
-    import jax
-    import numpy as np
-
-    from gpt_oss_train import hardware
-    from gpt_oss_train.decode import benchmarking
-    from gpt_oss_train.inference import loading
-
     model = loading.random_model(config, int8_weights=_INT8.value)
     mc = model.cfg
     kind = jax.devices()[0].device_kind
@@ -264,20 +251,11 @@ def bench_decode(config):
             )
         _emit(record)
     if _SAVE_HF.value:
-        from gpt_oss_train import config as config_lib
-        from gpt_oss_train.io import hf
-
         hf.save_hf(_SAVE_HF.value, config_lib.model_arch(config), model.params, dtype="float32")
 
 
 def _profile_decode(model, opts):
     """One traced generate call per batch size (already compiled by the benchmark)."""
-    import jax
-
-    from gpt_oss_train.decode import benchmarking
-    from gpt_oss_train.inference import loading
-    from gpt_oss_train.inference.generate import cache_length
-
     length, new = _PROMPT_LEN.value, _NEW_TOKENS.value
     gen = model.generator(loading.prefill_chunk_for(opts.prefill_chunk, length), False)
     for batch in [int(b) for b in _BATCH_SIZES.value]:
@@ -320,8 +298,6 @@ def _run_child(tool: str, args: list[str]) -> list[dict]:
 
 
 def _hf_runs(args: list[str]) -> list[list[dict]]:
-    from gpt_oss_train import runtime
-
     native_bf16 = runtime.fast_bfloat16("cpu")  # transformers runs on the CPU
     dtypes = _HF_DTYPES.value or ["float32"] + (["bfloat16"] if native_bf16 else [])
     return [_run_child("bench_model_hf", [*args, f"--dtype={d}"]) for d in dtypes]
@@ -335,8 +311,6 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 
 def compare_train(config):
-    from gpt_oss_train import config as config_lib
-
     (ours,) = _run_child("bench_model", _child_args())
     t = config.train
     arch = json.dumps(config_lib.model_arch(config))
@@ -399,8 +373,6 @@ def sweep_experts(config):
 
 def main(argv):
     del argv
-    from gpt_oss_train import hosts, runtime, sharding
-
     link = hosts.join()  # on several processes (launch/), one mesh over all their devices
     with link:
         runtime.setup_process(sharding.platform())
@@ -427,4 +399,4 @@ def _run():
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -17,6 +17,9 @@ import time
 
 from absl import app, flags
 
+from gpt_oss_train import errors
+from gpt_oss_train.io.hf_config import model_dict_to_hf_config
+
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "decode"], "What to time.")
 _ARCH = flags.DEFINE_string("arch", None, "train: our architecture dict, as JSON.")
 _DTYPE = flags.DEFINE_enum(
@@ -38,10 +41,9 @@ def peak_rss_gb() -> float:
 
 
 def bench_train(arch: dict) -> dict:
+    # lazy: optional dependency (torch and transformers: the `test` extra; seconds to import)
     import torch
     import transformers
-
-    from gpt_oss_train.io.hf_config import model_dict_to_hf_config
 
     torch.manual_seed(0)
     cfg = transformers.GptOssConfig(**model_dict_to_hf_config(arch, dtype="float32"))
@@ -88,12 +90,12 @@ def bench_train(arch: dict) -> dict:
 
 
 def bench_decode() -> list[dict]:
-    import json as json_lib
-
+    # lazy: JAX (which benchmarking imports) stays out of the train side's process, so the
+    # peak RSS it reports is transformers' own
     from gpt_oss_train.decode import benchmarking
 
     with open(os.path.join(_HF_DIR.value, "config.json")) as f:
-        vocab = json_lib.load(f)["vocab_size"]
+        vocab = json.load(f)["vocab_size"]
     length = _PROMPT_LEN.value
     cases = [
         (b, length, benchmarking.benchmark_prompts(vocab, b, length, 0))
@@ -124,4 +126,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

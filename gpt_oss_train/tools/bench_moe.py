@@ -25,7 +25,7 @@ rows); one layer's experts at decode sizes by path; and the decode expert kernel
 layers each, after a warm-up call), the distinct experts the routings touch, and the
 bandwidth on those experts' bytes (each read once: the bound a decode kernel should
 approach). Weights are random (values do not change the timing);
-tests/test_mxfp4_experts.py checks the numbers. Unless given, --hidden, --expert_hidden,
+tests/kernels/test_mxfp4_experts.py checks the numbers. Unless given, --hidden, --expert_hidden,
 --experts and --tokens are gpt-oss-20b's decode shapes (DECODE_KERNELS_DEFAULTS), not the
 CPU-sized defaults of the other modes. --interpret: Pallas interpret mode, for a CPU
 smoke test with tiny shapes (not a timing).
@@ -35,10 +35,25 @@ Prints one JSON record per measurement and a table.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
+
+from gpt_oss_train import errors, runtime, sharding
+from gpt_oss_train.arrays.layer_views import LayerView
+from gpt_oss_train.kernels import Kernels
+from gpt_oss_train.kernels.gpu import decode_experts
+from gpt_oss_train.kernels.gpu import mxfp4_experts as mx
+from gpt_oss_train.kernels.tpu import ragged_dot
+from gpt_oss_train.kernels.xla import experts as xla_experts
+from gpt_oss_train.kernels.xla import grouped_matmul as gm
+from gpt_oss_train.kernels.xla.experts import glu
+from gpt_oss_train.model import moe, streamed_weights
 
 MODES = ["kernels", "layer", "decode", "decode_kernels"]
 _MODE = flags.DEFINE_enum("mode", "kernels", MODES, "What to time.")
@@ -114,8 +129,6 @@ def best_times(calls: dict) -> dict:
     round-robin, so load from other processes falls on every case alike. --clock=cpu
     counts this process's CPU seconds instead of wall seconds: on a shared machine
     they move less with other jobs' load (but count threads spinning while they wait)."""
-    import jax
-
     clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
     for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
@@ -130,19 +143,12 @@ def best_times(calls: dict) -> dict:
 
 def routing(tokens: int, experts: int, seed: int = 0):
     """Top-k of random logits: (weights [T, k] float32, experts [T, k] int32)."""
-    import jax
-
     logits = jax.random.normal(jax.random.key(seed), (tokens, experts))
     top, idx = jax.lax.top_k(logits, _K.value)
     return jax.nn.softmax(top, axis=-1), idx
 
 
 def expert_weights(experts: int, d: int, f: int, seed: int = 1):
-    import jax
-    import jax.numpy as jnp
-
-    from gpt_oss_train.model import moe
-
     keys = jax.random.split(jax.random.key(seed), 3)
     mat = lambda key, shape: 0.02 * jax.random.normal(key, shape, jnp.float32)
     return moe.ExpertWeights(
@@ -158,8 +164,6 @@ def expert_weights(experts: int, d: int, f: int, seed: int = 1):
 def _time_fwd_and_vjp(cases: dict, x, w, experts: int) -> list[dict]:
     """Each case jitted forward, and forward + backward (a vjp with a fixed cotangent);
     times relative to the first case (the floor)."""
-    import jax
-
     calls = {}
     for name, fn in cases.items():
         out = jax.eval_shape(fn, x, w)  # float32 or the operands' dtype, per kernel
@@ -182,13 +186,6 @@ def _time_fwd_and_vjp(cases: dict, x, w, experts: int) -> list[dict]:
 
 
 def bench_kernels(experts: int) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-
-    from gpt_oss_train.kernels import Kernels
-    from gpt_oss_train.kernels.tpu import ragged_dot
-    from gpt_oss_train.kernels.xla import grouped_matmul as gm
-
     rows, d, f = _ROWS.value, _HIDDEN.value, _EXPERT_HIDDEN.value
     _, idx = routing(rows // _K.value, experts)
     group_sizes = jnp.bincount(idx.reshape(-1), length=experts).astype(jnp.int32)
@@ -213,11 +210,6 @@ def bench_kernels(experts: int) -> list[dict]:
 def bench_layer(experts: int) -> list[dict]:
     """The whole expert computation (moe.ragged_experts: sort, three grouped matmuls,
     GLU, combine) against a dense FFN on the same rows (what the active experts cost)."""
-    import jax
-
-    from gpt_oss_train.kernels.xla.experts import glu
-    from gpt_oss_train.model import moe
-
     rows, d, f = _ROWS.value, _HIDDEN.value, _EXPERT_HIDDEN.value
     tokens = rows // _K.value
     weights, idx = routing(tokens, experts)
@@ -244,14 +236,6 @@ def bench_decode(experts: int) -> list[dict]:
     routing is timed again and again, so the chosen experts may sit in the CPU's last-level
     cache at small batches (4 experts of 768 x 768 fit a 32 MB L3), which a model's layers
     never do. Compiled as inference compiles (runtime.inference_compiler_options)."""
-    import jax
-
-    from gpt_oss_train import runtime, sharding
-    from gpt_oss_train.arrays.layer_views import LayerView
-    from gpt_oss_train.kernels import Kernels
-    from gpt_oss_train.kernels.xla import experts as xla_experts
-    from gpt_oss_train.model import moe, streamed_weights
-
     d, f, dtype = _HIDDEN.value, _EXPERT_HIDDEN.value, jax.numpy.dtype(_DTYPE.value)
     w = expert_weights(experts, d, f)
     layer = jax.numpy.int32(1)
@@ -259,8 +243,11 @@ def bench_decode(experts: int) -> list[dict]:
     w = w._replace(**{n: view(getattr(w, n)) for n in streamed_weights.EXPERTS})
     common = dict(limit=7.0, alpha=1.702, dtype=dtype)
     options = runtime.inference_compiler_options(sharding.platform())
-    paths = {"gathered": xla_experts.gathered, "grouped": moe.grouped_experts,
-             "pairwise": xla_experts.pairwise}  # fmt: skip
+    paths = {
+        "gathered": xla_experts.gathered,
+        "grouped": moe.grouped_experts,
+        "pairwise": xla_experts.pairwise,
+    }
     chosen = Kernels().impl("moe_decode")
     if chosen.name != "xla":
         paths[f"{chosen.name}_kernel"] = chosen.call
@@ -282,13 +269,6 @@ def bench_decode(experts: int) -> list[dict]:
 
 def _kernel_weights(impl: str, experts: int, key):
     """Random expert weights in the back-end's layout, and the bytes one expert occupies."""
-    import jax
-    import jax.numpy as jnp
-
-    from gpt_oss_train.kernels.gpu import decode_experts
-    from gpt_oss_train.kernels.gpu import mxfp4_experts as mx
-    from gpt_oss_train.model import moe
-
     e, d, f = experts, value(_HIDDEN), value(_EXPERT_HIDDEN)
     keys = jax.random.split(key, 4)
     if impl in ("ragged", "tiled"):
@@ -296,10 +276,13 @@ def _kernel_weights(impl: str, experts: int, key):
             jnp.bfloat16
         )
         w = moe.ExpertWeights(
-            normal(keys[0], (e, d, f)), jnp.zeros((e, f), jnp.bfloat16),
-            normal(keys[1], (e, d, f)), jnp.zeros((e, f), jnp.bfloat16),
-            normal(keys[2], (e, f, d)), jnp.zeros((e, d), jnp.bfloat16),
-        )  # fmt: skip
+            normal(keys[0], (e, d, f)),
+            jnp.zeros((e, f), jnp.bfloat16),
+            normal(keys[1], (e, d, f)),
+            jnp.zeros((e, f), jnp.bfloat16),
+            normal(keys[2], (e, f, d)),
+            jnp.zeros((e, d), jnp.bfloat16),
+        )
         return (w if impl == "ragged" else decode_experts.to_contraction_minor(w)), 3 * d * f * 2
 
     def matrix(k, out, inp):
@@ -315,14 +298,6 @@ def _kernel_weights(impl: str, experts: int, key):
 
 
 def _kernel_layer(impl: str):
-    import functools
-
-    import jax.numpy as jnp
-
-    from gpt_oss_train.kernels.gpu import decode_experts
-    from gpt_oss_train.kernels.gpu import mxfp4_experts as mx
-    from gpt_oss_train.model import moe
-
     kw = dict(limit=7.0, alpha=1.702, dtype=jnp.bfloat16)
     if impl == "ragged":
         return functools.partial(moe.ragged_experts, **kw)
@@ -336,10 +311,6 @@ def _kernel_layer(impl: str):
 def _time_decode_kernel(impl: str, experts: int, batch: int) -> dict:
     """One back-end's layer over --routings routings of `batch` tokens in one compiled
     call: microseconds a layer, distinct experts touched, bandwidth on their bytes."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     layer = _kernel_layer(impl)
     w, expert_bytes = _kernel_weights(impl, experts, jax.random.key(0))
     e, k, r = experts, _K.value, _ROUTINGS.value
@@ -374,20 +345,25 @@ def _time_decode_kernel(impl: str, experts: int, batch: int) -> dict:
 
 def bench_decode_kernels(experts: int) -> list[dict]:
     """One MoE layer's experts at decode batch sizes (--tokens), by back-end (--impls)."""
-    import jax
-
     return [
-        dict(device=jax.devices()[0].device_kind, experts=experts,
-             **_time_decode_kernel(impl, experts, batch))
+        dict(
+            device=jax.devices()[0].device_kind,
+            experts=experts,
+            **_time_decode_kernel(impl, experts, batch),
+        )
         for batch in (int(b) for b in value(_TOKENS))
         for impl in _IMPLS.value
-    ]  # fmt: skip
+    ]
 
 
 # ----------------------------------------------------------------------------- the command
 
-BENCHES = {"kernels": bench_kernels, "layer": bench_layer, "decode": bench_decode,
-           "decode_kernels": bench_decode_kernels}  # fmt: skip
+BENCHES = {
+    "kernels": bench_kernels,
+    "layer": bench_layer,
+    "decode": bench_decode,
+    "decode_kernels": bench_decode_kernels,
+}
 
 
 def _record(r: dict) -> dict:
@@ -405,8 +381,6 @@ def _record(r: dict) -> dict:
 
 def main(argv):
     del argv
-    from gpt_oss_train import runtime, sharding
-
     runtime.setup_process(sharding.platform())
     rows = []
     for e in (int(v) for v in value(_EXPERTS)):
@@ -422,4 +396,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

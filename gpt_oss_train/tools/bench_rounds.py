@@ -19,7 +19,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from gpt_oss_train import hosts
+from gpt_oss_train import errors, hosts
 from gpt_oss_train.inference import rounds
 from gpt_oss_train.inference.sampling import SamplingRows
 
@@ -35,23 +35,42 @@ def _decode_call(rows: int) -> rounds.Call:
         np.arange(rows, dtype=np.uint32),
         np.arange(rows, dtype=np.int32),
     )
-    args = (np.arange(rows, dtype=np.int32), np.arange(rows, dtype=np.int32), settings,
-            np.zeros(rows, bool), np.zeros(rows, np.int32))  # fmt: skip
+    args = (
+        np.arange(rows, dtype=np.int32),
+        np.arange(rows, dtype=np.int32),
+        settings,
+        np.zeros(rows, bool),
+        np.zeros(rows, np.int32),
+    )
     return rounds.Call("decode", args, {"rows": rows, "context": 4096})
 
 
 def _prefill_round(rows: int, chunk: int) -> rounds.Round:
     """A request admitted, a chunk of its prompt prefilled and saved, and a decode step."""
-    one = SamplingRows(*(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32,
-                                                    np.uint32, np.int32)))  # fmt: skip
+    one = SamplingRows(
+        *(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.int32))
+    )
     tokens = np.arange(chunk, dtype=np.int32)[None]
-    return rounds.Round([
-        rounds.Call("admit", (np.int32(3), np.zeros(64, np.int32), np.int32(0))),
-        rounds.Call("prefill", (np.int32(3), tokens, tokens, np.int32(chunk - 1), one,
-                                np.zeros(1, bool), np.zeros(1, np.int32)), {"context": 4096}),
-        rounds.Call("save", (np.int32(3), np.int32(0), np.arange(chunk // 16, dtype=np.int32))),
-        _decode_call(rows),
-    ])  # fmt: skip
+    return rounds.Round(
+        [
+            rounds.Call("admit", (np.int32(3), np.zeros(64, np.int32), np.int32(0))),
+            rounds.Call(
+                "prefill",
+                (
+                    np.int32(3),
+                    tokens,
+                    tokens,
+                    np.int32(chunk - 1),
+                    one,
+                    np.zeros(1, bool),
+                    np.zeros(1, np.int32),
+                ),
+                {"context": 4096},
+            ),
+            rounds.Call("save", (np.int32(3), np.int32(0), np.arange(chunk // 16, dtype=np.int32))),
+            _decode_call(rows),
+        ]
+    )
 
 
 CASES = {
@@ -63,8 +82,10 @@ CASES = {
 
 def _stats(seconds: list[float]) -> dict:
     us = np.asarray(seconds) * 1e6
-    return {"median_us": round(float(np.median(us)), 1),
-            "p99_us": round(float(np.percentile(us, 99)), 1)}  # fmt: skip
+    return {
+        "median_us": round(float(np.median(us)), 1),
+        "p99_us": round(float(np.percentile(us, 99)), 1),
+    }
 
 
 def main(argv):
@@ -97,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

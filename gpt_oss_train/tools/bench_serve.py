@@ -17,6 +17,7 @@ prints a Markdown table.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -26,9 +27,18 @@ import sys
 import tempfile
 import time
 
+import jax
+import numpy as np
 from absl import app, flags
 
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import errors
+from gpt_oss_train.decode import requests
+from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.server.local import free_port, wait_ready
+from gpt_oss_train.inference.server.text import token_bytes
+from gpt_oss_train.io import hf
+from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.tools import bench_serve_client as client
 
 FLAGS = flags.FLAGS
@@ -51,8 +61,6 @@ MAX_CONTEXT = 2048
 def word_tokens(tokenizer) -> list[int]:
     """Ids of ' word' tokens (a space and 3-8 lowercase letters): text made of them
     tokenizes back to exactly them under any o200k tokenizer."""
-    from gpt_oss_train.inference.server.text import token_bytes
-
     pattern = re.compile(rb"^ [a-z]{3,8}$")
     return [i for i in range(100000) if pattern.match(token_bytes(i))]
 
@@ -71,21 +79,12 @@ def make_requests(n: int, seed: int, tokenizer) -> list[dict]:
 
 def random_checkpoint(folder: str) -> str:
     """A random gpt-oss of configs/cpu_tiny.py's shape with 4 layers, float32, HF format."""
-    import importlib.util
-
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train.inference import loading
-    from gpt_oss_train.io import hf
-
     spec = importlib.util.spec_from_file_location("cpu_tiny", "configs/cpu_tiny.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
     config.model.num_layers = 4
     model = loading.random_model(config)
-    import jax
-    import numpy as np
-
     hf.save_hf(
         folder,
         config_lib.model_arch(config),
@@ -113,16 +112,35 @@ def stop(proc: subprocess.Popen) -> None:
 
 def ours(ckpt: str, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "gpt_oss_train.serve", f"--checkpoint={ckpt}", f"--port={port}",
-        "--dtype=float32", f"--max_slots={FLAGS.max_slots}", f"--max_context={MAX_CONTEXT}",
-        "--max_queue=1024", "--served_model_name=model", "--grace_period_s=5",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "gpt_oss_train.serve",
+        f"--checkpoint={ckpt}",
+        f"--port={port}",
+        "--dtype=float32",
+        f"--max_slots={FLAGS.max_slots}",
+        f"--max_context={MAX_CONTEXT}",
+        "--max_queue=1024",
+        "--served_model_name=model",
+        "--grace_period_s=5",
+    ]
 
 
 def transformers_serve(ckpt: str, port: int) -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "transformers")  # the venv's CLI
-    cmd = [exe, "serve", ckpt, "--device", "cpu", "--dtype", "float32",
-           "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    cmd = [
+        exe,
+        "serve",
+        ckpt,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
     return cmd + (["--continuous-batching"] if FLAGS.transformers_cb else [])
 
 
@@ -160,9 +178,6 @@ def static_batch(ckpt: str, reqs: list[dict], workdir: str) -> dict:
 
 def _static_child() -> dict:
     """decode --mode=generate's code path on every request in one batch, timed warm."""
-    from gpt_oss_train.decode import requests
-    from gpt_oss_train.inference import loading
-
     reqs = json.load(open(FLAGS.static_input))
     longest = max(r["max_tokens"] for r in reqs)
     lines = "".join(
@@ -176,8 +191,13 @@ def _static_child() -> dict:
     wall = time.perf_counter() - start_t
     useful = sum(min(len(rec["tokens"]), r["max_tokens"]) for rec, r in zip(records, reqs))
     computed = sum(len(rec["tokens"]) for rec in records)
-    return {"wall_s": wall, "useful_tok_s": useful / wall, "computed_tok_s": computed / wall,
-            "rows": len(reqs), "max_new_tokens": longest}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "useful_tok_s": useful / wall,
+        "computed_tok_s": computed / wall,
+        "rows": len(reqs),
+        "max_new_tokens": longest,
+    }
 
 
 def main(argv):
@@ -185,14 +205,17 @@ def main(argv):
     if FLAGS.mode == "static":
         print(json.dumps(_static_child()))
         return 0
-    from gpt_oss_train.io import tokenizer as tok_lib
-
     levels = [int(c) for c in FLAGS.concurrency]
     workdir = tempfile.mkdtemp(prefix="load_test_")
     ckpt = FLAGS.checkpoint or random_checkpoint(os.path.join(workdir, "model"))
     reqs = make_requests(max(FLAGS.requests, max(levels)), FLAGS.seed, tok_lib.Tokenizer())
-    results = {"checkpoint": ckpt, "requests": FLAGS.requests, "seed": FLAGS.seed,
-               "max_slots": FLAGS.max_slots, "systems": {}}  # fmt: skip
+    results = {
+        "checkpoint": ckpt,
+        "requests": FLAGS.requests,
+        "seed": FLAGS.seed,
+        "max_slots": FLAGS.max_slots,
+        "systems": {},
+    }
     results["systems"]["ours"] = measure_server("ours", ours, ckpt, reqs, levels, "model", workdir)
     if not FLAGS.skip_transformers:
         name = "transformers serve" + (" --continuous-batching" if FLAGS.transformers_cb else "")
@@ -210,4 +233,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -16,8 +16,14 @@ import numpy as np
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed greedy completion: send time, chunk arrival times, completion tokens."""
     u = urllib.parse.urlparse(url)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
     start = time.perf_counter()
     conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
@@ -95,8 +101,10 @@ def prefix_cache_ttft(url: str, model: str, reqs: list[dict], repeats: int = 3) 
         for out, ending in ((cold, " alpha beta"), (warm, " gamma delta")):
             r = stream_completion(url, model, prefix + ending, 1)
             out.append(r["times"][0] - r["start"])
-    return {"prefix_ttft_uncached_s": float(np.median(cold)),
-            "prefix_ttft_cached_s": float(np.median(warm))}  # fmt: skip
+    return {
+        "prefix_ttft_uncached_s": float(np.median(cold)),
+        "prefix_ttft_cached_s": float(np.median(warm)),
+    }
 
 
 def counters(url: str) -> dict:
@@ -162,10 +170,10 @@ def markdown(results: dict, levels: list[int]) -> str:
 
 
 def plot(results: dict, levels: list[int], path: str) -> None:
-    import matplotlib
+    import matplotlib  # lazy: optional dependency (the `bench` extra; ~0.3 s to import)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after the backend is chosen
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name, sys_res in results["systems"].items():

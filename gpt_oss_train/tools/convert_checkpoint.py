@@ -23,7 +23,15 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+import numpy as np
 from absl import app, flags
+
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import errors, sharding
+from gpt_oss_train.checkpoints import checkpoint
+from gpt_oss_train.io import hf
+from gpt_oss_train.model.transformer import ModelDef
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face gpt-oss folder to read.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Orbax checkpoint folder to write.")
@@ -39,14 +47,6 @@ _PARAM_DTYPE = flags.DEFINE_enum(
 
 
 def hf_to_orbax(hf_dir: str, output_dir: str, param_dtype: str = "float32") -> dict:
-    import jax
-
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train import sharding
-    from gpt_oss_train.checkpoints import checkpoint
-    from gpt_oss_train.io import hf
-    from gpt_oss_train.model.transformer import ModelDef
-
     if checkpoint.find_step_dir(output_dir) is not None:
         raise checkpoint.CheckpointError(
             f"{output_dir} already holds a checkpoint; choose an empty folder"
@@ -64,15 +64,6 @@ def hf_to_orbax(hf_dir: str, output_dir: str, param_dtype: str = "float32") -> d
 
 
 def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: bool = False) -> dict:
-    import jax
-    import numpy as np
-
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train import sharding
-    from gpt_oss_train.checkpoints import checkpoint
-    from gpt_oss_train.io import hf
-    from gpt_oss_train.model.transformer import ModelDef
-
     if os.path.isdir(hf_out) and os.listdir(hf_out):
         raise FileExistsError(f"{hf_out} is not empty; choose a new folder")
     arch = checkpoint.read_model_config(orbax_dir)
@@ -99,8 +90,6 @@ def orbax_to_hf(orbax_dir: str, hf_out: str, dtype: str = "bfloat16", mxfp4: boo
 
 def main(argv):
     del argv
-    from gpt_oss_train import errors
-
     try:
         convert()
     except (errors.UserError, OSError) as e:  # a path or file the user gave: one line

@@ -19,7 +19,18 @@ import json
 import os
 import sys
 
+import jax
 from absl import app, flags
+
+from gpt_oss_train import config as config_lib
+from gpt_oss_train import errors
+from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
+from gpt_oss_train.inference import adapters as adapters_lib
+from gpt_oss_train.inference import loading
+from gpt_oss_train.io import hf, lora_export
+from gpt_oss_train.io import peft as peft_io
+from gpt_oss_train.model import lora
+from gpt_oss_train.model.transformer import ModelDef
 
 flags.DEFINE_string("adapter", None, "LoRA training workdir / checkpoint, or a PEFT folder.")
 flags.DEFINE_string("checkpoint", "", "The base (HF folder or Orbax); default: the recorded one.")
@@ -33,18 +44,9 @@ flags.DEFINE_integer("seed", 0, "The random base's seed when neither is recorded
 def base_reader(path: str, arch: dict, seed: int):
     """read(path, layers) -> float32 numpy in our layout, from an HF folder, an Orbax
     checkpoint or (path "") the random base of `seed` that training made."""
-    import jax
-
-    from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
-    from gpt_oss_train.io import hf
-    from gpt_oss_train.model import lora
-
     if path and not ckpt_lib.is_orbax_checkpoint(path):
         ckpt = hf.HFCheckpoint(path)
         return lambda p, layers: ckpt.read(p, layers)
-    from gpt_oss_train import config as config_lib
-    from gpt_oss_train.model.transformer import ModelDef
-
     md = ModelDef(config_lib.ModelConfig(**arch, param_dtype="float32"))
     if path:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -60,11 +62,6 @@ def base_reader(path: str, arch: dict, seed: int):
 def main(argv):
     del argv
     f = flags.FLAGS
-    from gpt_oss_train import errors
-    from gpt_oss_train.inference import adapters as adapters_lib
-    from gpt_oss_train.io import lora_export
-    from gpt_oss_train.io import peft as peft_io
-
     try:
         if not f.adapter or not (f.peft_out or f.merged_out):
             raise errors.UserError("give --adapter and at least one of --peft_out, --merged_out")
@@ -88,8 +85,6 @@ def main(argv):
 
 
 def _recorded_base(adapter: str) -> dict:
-    from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
-
     if not ckpt_lib.is_orbax_checkpoint(adapter):
         return {}
     return ckpt_lib.read_meta(adapter).get(ckpt_lib.LORA_META_KEY, {}).get("base", {})
@@ -97,10 +92,6 @@ def _recorded_base(adapter: str) -> dict:
 
 def _architecture(base: str, adapter: str) -> dict:
     """The base's architecture; for a random base, the one the adapter workdir stores."""
-    from gpt_oss_train import errors
-    from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
-    from gpt_oss_train.inference import loading
-
     if base:
         return loading.read_architecture(base, loading.checkpoint_kind(base))
     if ckpt_lib.is_orbax_checkpoint(adapter):
@@ -109,4 +100,4 @@ def _architecture(base: str, adapter: str) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

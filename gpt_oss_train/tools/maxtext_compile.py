@@ -25,11 +25,15 @@ import sys
 
 from absl import app, flags
 
-from gpt_oss_train.aot import maxtext, report
+from gpt_oss_train import errors
+from gpt_oss_train.aot import tpu
 
 
 def main(argv):
     del argv
+    # lazy: these load JAX, after tpu.offline_environment() has set its environment
+    from gpt_oss_train.aot import maxtext, report
+
     f = flags.FLAGS
     compiled, mesh, config = maxtext.compile_maxtext(
         f.maxtext, f.model, f.topology, f.settings or []
@@ -39,6 +43,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    tpu.offline_environment()
     flags.DEFINE_string("maxtext", None, "the src folder of a MaxText checkout", required=True)
     flags.DEFINE_string("model", "gpt-oss-20b", "MaxText's model_name (and our preset's)")
     flags.DEFINE_string("topology", "v5e:16x16", "TPU slice as libtpu names it")
@@ -50,4 +55,4 @@ if __name__ == "__main__":
         head, extra = sys.argv[:cut], sys.argv[cut + 1 :]
         ours = [a for a in extra if a.startswith("--")]
         sys.argv = head + ours + [f"--settings={a}" for a in extra if not a.startswith("--")]
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

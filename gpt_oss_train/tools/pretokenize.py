@@ -21,7 +21,9 @@ import time
 
 import numpy as np
 from absl import app, flags, logging
+from array_record.python.array_record_module import ArrayRecordWriter
 
+from gpt_oss_train import errors
 from gpt_oss_train.io.tokenizer import VOCAB_SIZE, Tokenizer
 from gpt_oss_train.training import data, sources
 
@@ -35,8 +37,6 @@ def pretokenize(
     source_spec: str, output: str, *, split: str = "train", shard_size: int = 10_000
 ) -> dict:
     """Writes the shards and pretokenized.json; returns the metadata written."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     if shard_size <= 0:
         raise sources.DataError(f"--shard_size must be positive, got {shard_size}")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
@@ -118,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=errors.parse_flags)

@@ -32,8 +32,12 @@ def eval_loss(
         if totals[spec.count]
         else {}
     )
-    return {"loss": metrics.get("loss"), "tokens": int(totals["tokens"]), "batches": n,
-            "metrics": metrics}  # fmt: skip
+    return {
+        "loss": metrics.get("loss"),
+        "tokens": int(totals["tokens"]),
+        "batches": n,
+        "metrics": metrics,
+    }
 
 
 def eval_pipeline(
@@ -76,8 +80,15 @@ def evaluate(setup, params) -> dict:
     )
     batches = take(pipeline, c.train.eval_batches)
     objective = c.train.objective
-    result = eval_loss(setup.eval_step, params, batches, setup.mesh, setup.rules,
-                       whole=pipeline.whole_batches, objective=objective)  # fmt: skip
+    result = eval_loss(
+        setup.eval_step,
+        params,
+        batches,
+        setup.mesh,
+        setup.rules,
+        whole=pipeline.whole_batches,
+        objective=objective,
+    )
     if objective == "lm":
         return {"eval_loss": result["loss"]}
     return {f"eval_{name}": v for name, v in result["metrics"].items() if name != "aux_loss"}

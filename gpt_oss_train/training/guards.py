@@ -11,6 +11,7 @@ import math
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 
 class SkippedSteps:
@@ -65,7 +66,5 @@ def agree_any(*flags: bool) -> tuple[bool, ...]:
     """Each flag, true on every process if it is true on any (one small collective)."""
     if jax.process_count() == 1:
         return tuple(bool(f) for f in flags)
-    from jax.experimental import multihost_utils
-
     gathered = multihost_utils.process_allgather(np.array(flags, dtype=bool))
     return tuple(bool(f) for f in np.asarray(gathered).reshape(-1, len(flags)).any(axis=0))

@@ -19,7 +19,7 @@ from gpt_oss_train import sharding
 from gpt_oss_train.checkpoints import checkpoint as ckpt_lib
 from gpt_oss_train.checkpoints.checkpoint import LORA_META_KEY
 from gpt_oss_train.errors import ConfigError
-from gpt_oss_train.io import storage
+from gpt_oss_train.io import hf, storage
 from gpt_oss_train.model import frozen_base, lora
 from gpt_oss_train.model.transformer import ModelDef, Transformer
 
@@ -56,8 +56,6 @@ class FrozenBase:
             return self.dense_def.init(self.seed, self.mesh, self.rules)
         if ckpt_lib.is_orbax_checkpoint(self.source):
             return ckpt_lib.load_params(self.source, self.dense)[0]
-        from gpt_oss_train.io import hf
-
         targets = frozen_base.read_targets(self.dense, self.format, self.abstract)
         return hf.load_sharded(self.source, targets)
 

@@ -6,8 +6,15 @@ import collections
 import json
 import math
 import os
+import socket
 import time
+import uuid
 from typing import Any, Callable, Mapping
+
+from absl import flags, logging
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.record_writer import RecordWriter
 
 from gpt_oss_train.io import storage
 
@@ -58,8 +65,6 @@ def _fmt_duration(seconds: float) -> str:
 
 def _default_console(line: str) -> None:
     """absl INFO inside an absl app; print otherwise (absl hides INFO before flag parsing)."""
-    from absl import flags, logging
-
     if flags.FLAGS.is_parsed():
         logging.info("%s", line)
     else:
@@ -141,8 +146,6 @@ class MetricsWriter:
         except OSError as e:  # a full disk must not stop the run; the checkpoints decide
             if not self._write_failed:
                 self._write_failed = True
-                from absl import logging
-
                 logging.warning(
                     "%s: writing metrics failed (%s); the console still shows them", self.workdir, e
                 )
@@ -182,9 +185,6 @@ class MetricsWriter:
     # -- internals ----------------------------------------------------------
 
     def _write_tensorboard(self, step: int, wall_time: float, values: Mapping[str, Any]) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
         summary_values = [
             Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items() if v is not None
         ]
@@ -210,12 +210,6 @@ def _event_file(logdir: str, resume_step: int | None):
     """A new TensorBoard event file in `logdir` (local or a URL), written through storage:
     tensorboard's EventFileWriter, without TensorFlow, overwrites instead of appending on
     gs://. The name is unique per writer (time, host, pid, random)."""
-    import socket
-    import uuid
-
-    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-    from tensorboard.summary.writer.record_writer import RecordWriter
-
     now = time.time()
     # TensorBoard reads a folder's event files in name order: microseconds keep two
     # writers of one second (a quick resume) in the order they started.

@@ -1,6 +1,7 @@
 """What a train step minimises: the objectives of config.train.objective (next-token loss,
-DPO, GRPO). OBJECTIVES is the one place naming them: each entry holds its loss builder,
-the statistics its loss function sums, the one that normalises it and what is logged.
+DPO, GRPO). OBJECTIVES is their table, one entry for each name config.OBJECTIVES declares
+(checked at import): each holds its loss builder, the statistics its loss function sums,
+the one that normalises it and what is logged.
 
 A builder, (model_def, t, dpo, rl) -> loss_fn(params, batch, frozen=None) -> (summed
 objective, stats), gives sums (over tokens, or DPO's pairs), so the gradient-accumulation
@@ -26,6 +27,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from gpt_oss_train import config as config_lib
 from gpt_oss_train.model import lora
 from gpt_oss_train.model.transformer import DTYPES, ModelDef
 from gpt_oss_train.training import loss as loss_lib
@@ -148,8 +150,13 @@ def dpo_loss_fn(model_def: ModelDef, t, dpo, rl=None):
         )
         objective = loss + t.aux_loss_coef * aux * pairs
         tokens = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
-        return objective, {"loss": loss, "aux": aux * pairs, "pairs": pairs, "tokens": tokens,
-                           **stats}  # fmt: skip
+        return objective, {
+            "loss": loss,
+            "aux": aux * pairs,
+            "pairs": pairs,
+            "tokens": tokens,
+            **stats,
+        }
 
     return dpo_loss
 
@@ -171,8 +178,9 @@ def grpo_loss_fn(model_def: ModelDef, t, dpo, rl):
         ref_logp = None
         if rl.kl_coef:
             reference = _reference(model_def, params, frozen)
-            ref_logp, _ = policy_logprobs(model_def, t, jax.lax.stop_gradient(reference), batch,
-                                          temperature=rl.temperature)  # fmt: skip
+            ref_logp, _ = policy_logprobs(
+                model_def, t, jax.lax.stop_gradient(reference), batch, temperature=rl.temperature
+            )
         loss, normalizer, stats = rl_losses.grpo_sums(
             logp,
             old_logp,
@@ -186,8 +194,12 @@ def grpo_loss_fn(model_def: ModelDef, t, dpo, rl):
             max_completion_length=rl.max_new_tokens,
         )
         objective = loss + t.aux_loss_coef * aux * normalizer
-        return objective, {"loss": loss, "aux": aux * stats["sequences"],
-                           "normalizer": normalizer, **stats}  # fmt: skip
+        return objective, {
+            "loss": loss,
+            "aux": aux * stats["sequences"],
+            "normalizer": normalizer,
+            **stats,
+        }
 
     return grpo_loss
 
@@ -233,6 +245,15 @@ OBJECTIVES = {  # config.train.objective
         },
     ),
 }
+
+
+# The names are declared in config.OBJECTIVES (config.py validates train.objective against
+# them, on a floor below this one): the table holds one entry for each, in that order.
+if tuple(OBJECTIVES) != config_lib.OBJECTIVES:
+    raise ImportError(
+        f"training/objectives.py's OBJECTIVES {tuple(OBJECTIVES)} differ from the names "
+        f"config.OBJECTIVES declares {config_lib.OBJECTIVES}"
+    )
 
 
 def make_loss_fn(model_def: ModelDef, t, dpo=None, objective: str | None = None, rl=None):

@@ -23,13 +23,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# TRL's names for the ways of averaging the per-token GRPO loss, see grpo_sums.
-AVERAGINGS = ("sequence", "token", "dr_grpo")
+# TRL's names for the ways of averaging the per-token GRPO loss, see grpo_sums; declared in
+# config.py, which validates config.rl.averaging against them.
+from gpt_oss_train.config import GRPO_AVERAGINGS as AVERAGINGS
+
 # What grpo_sums' stats hold (sums over tokens, and the rows with tokens).
 GRPO_STATS = ("tokens", "sequences", "ratio", "clipped", "kl", "policy_loss")
 # What dpo_sums' stats hold (sums over pairs).
-DPO_STATS = ("chosen_reward", "rejected_reward", "margin", "accuracy", "chosen_logp",
-             "rejected_logp")  # fmt: skip
+DPO_STATS = (
+    "chosen_reward",
+    "rejected_reward",
+    "margin",
+    "accuracy",
+    "chosen_logp",
+    "rejected_logp",
+)
 
 
 def sequence_logprobs(token_logps, mask):

@@ -40,6 +40,9 @@ from typing import Any, NamedTuple
 
 import grain
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from absl import logging
 
 from gpt_oss_train.errors import UserError, json_error
@@ -80,8 +83,10 @@ def decode_utf8(data: bytes) -> tuple[str, int]:
     return data.decode("utf-8", errors="gpt_oss_train.replace_and_count"), _decode_state.replaced
 
 
-class _Replacements:
-    """Replaced-byte counts per file, kept by the source that read them (this process)."""
+class Replacements:
+    """Replaced-byte counts per file, kept by the source that read them (this process):
+    every source has one as `replacements` (post_training/prompts.py's too). `note` records
+    a file's count and warns once per file and process."""
 
     def __init__(self):
         self.per_file: dict[str, int] = {}
@@ -116,9 +121,11 @@ class PreferencePair(NamedTuple):
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _check_chat(messages: Any, where: str, field: str = "messages", trains: bool = True) -> None:
-    """The structural checks a chat must pass before training starts (rendering is later);
-    `trains`: it must hold an assistant message to train on."""
+def check_chat(messages: Any, where: str, field: str = "messages", trains: bool = True) -> None:
+    """The structural checks a chat must pass before training starts (rendering is later):
+    a non-empty list of messages with a known role and string content, else a DataError
+    naming `where` and `field`. `trains`: it must hold an assistant message to train on
+    (a GRPO prompt, post_training/prompts.py, is checked with trains=False)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(
             f'{where}: "{field}" must be a non-empty list of '
@@ -146,9 +153,9 @@ def _check_pair(obj: dict, where: str) -> None:
             f'{where}: a preference pair needs "prompt", "chosen" and "rejected" message '
             f"lists; missing {missing}"
         )
-    _check_chat(obj["prompt"], where, "prompt", trains=False)
+    check_chat(obj["prompt"], where, "prompt", trains=False)
     for field in ("chosen", "rejected"):
-        _check_chat(obj[field], where, field)
+        check_chat(obj[field], where, field)
         roles = {m["role"] for m in obj[field]}
         if roles != {"assistant"}:
             raise DataError(
@@ -162,7 +169,7 @@ class TextFiles:
 
     def __init__(self, paths: list[str], name: str):
         self.paths, self.name, self.has_chat = list(paths), name, False
-        self.replacements = _Replacements()
+        self.replacements = Replacements()
 
     def __len__(self):
         return len(self.paths)
@@ -177,7 +184,7 @@ class TextFiles:
         return any(os.path.getsize(p) for p in self.paths)
 
 
-def scan_jsonl(paths: list[str], replacements: _Replacements):
+def scan_jsonl(paths: list[str], replacements: Replacements):
     """Yields (file index, byte offset, line number, object, "path:line") for each non-blank
     line of JSONL files: decoded (invalid UTF-8 replaced, counted in `replacements`) and
     parsed; a line that is not JSON is a DataError naming it."""
@@ -216,7 +223,7 @@ class JsonlFiles:
         self, paths: list[str], name: str, *, chat_only: bool = False, pairs_only: bool = False
     ):
         self.paths, self.name = list(paths), name
-        self.replacements = _Replacements()
+        self.replacements = Replacements()
         file_idx, offsets, lines = [], [], []
         self.has_chat, self.has_pairs, self._pairs_only = False, pairs_only, pairs_only
         self._nonempty = 0
@@ -233,8 +240,9 @@ class JsonlFiles:
         """Validates one line; returns whether it holds a non-empty document."""
         if self._pairs_only:
             if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a preference pair object, got "
-                                f"{type(obj).__name__}")  # fmt: skip
+                raise DataError(
+                    f"{where}: expected a preference pair object, got {type(obj).__name__}"
+                )
             _check_pair(obj, where)
             return True
         if not isinstance(obj, dict) or (
@@ -244,7 +252,7 @@ class JsonlFiles:
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
             raise DataError(f"{where}: expected an object like {want}, got {got}")
         if "messages" in obj:
-            _check_chat(obj["messages"], where)
+            check_chat(obj["messages"], where)
             self.has_chat = True
             return True
         if not isinstance(obj["text"], str):
@@ -272,12 +280,8 @@ class ParquetFiles:
     """The "text" column of Parquet files, held in memory as one Arrow array."""
 
     def __init__(self, paths: list[str], name: str, column: str = "text"):
-        import pyarrow as pa
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
         self.paths, self.name, self.has_chat = list(paths), name, False
-        self.replacements = _Replacements()
+        self.replacements = Replacements()
         chunks = []
         for path in self.paths:
             try:
@@ -312,7 +316,7 @@ class TokenRecords:
 
     def __init__(self, paths: list[str], name: str, *, has_mask: bool = False):
         self.paths, self.name, self.has_mask, self.has_chat = list(paths), name, has_mask, has_mask
-        self.replacements = _Replacements()
+        self.replacements = Replacements()
         self._records = grain.sources.ArrayRecordDataSource(self.paths)
 
     def __len__(self):
@@ -330,12 +334,14 @@ class TfdsSource:
     """A text feature of a TFDS split, through tfds.data_source (ArrayRecord, no TensorFlow)."""
 
     def __init__(self, name: str, split: str | None, feature: str, default_split: str):
+        # lazy: start-up (~0.1 s, for tfds: specs alone), and tfds defines an absl flag
+        # (--tfds_debug_list_dir) that every command's --help would otherwise list
         import tensorflow_datasets as tfds
 
         # Read here, not at tfds import, so a TFDS_DATA_DIR set after import still counts.
         data_dir = os.environ.get("TFDS_DATA_DIR") or os.path.expanduser("~/tensorflow_datasets")
         self.name, self.has_chat, self.feature = f"tfds:{name}", False, feature
-        self.replacements = _Replacements()
+        self.replacements = Replacements()
         hint = (
             f"prepare it once on a machine with internet: `tfds build {name} "
             f"--file_format=array_record --data_dir=DIR`, then copy DIR here and set "
@@ -427,8 +433,10 @@ def _stdlib_files() -> list[str]:
     return sorted(files)
 
 
-def _expand(spec: str) -> tuple[list[str], bool]:
-    """Files a path, directory or glob names (sorted), and whether it named one file."""
+def expand(spec: str) -> tuple[list[str], bool]:
+    """Files a path, directory or glob names (sorted; a directory walked, its hidden files
+    and folders skipped), and whether it named one file; a DataError when it names none.
+    Shared by the data specs here and post_training/prompts.py's chat prompts."""
     path = os.path.expanduser(spec)
     if any(c in spec for c in "*?["):
         matches = sorted(globlib.glob(path, recursive=True))
@@ -542,7 +550,7 @@ def make_source(spec: str, *, split: str = "train"):
         source = _pretokenized_dir(storage.normalize(spec))
     elif spec.startswith(("chat:", "pairs:")):
         kind, path = spec.split(":", 1)
-        files, single = _expand(path)
+        files, single = expand(path)
         files = files if single else [f for f in files if f.endswith(".jsonl")]
         if not files:
             raise DataError(f"{spec}: no .jsonl files there")
@@ -550,7 +558,7 @@ def make_source(spec: str, *, split: str = "train"):
     elif os.path.isfile(os.path.join(os.path.expanduser(spec), META_FILE)):
         source = _pretokenized_dir(os.path.expanduser(spec))
     else:
-        files, single = _expand(spec)
+        files, single = expand(spec)
         if not files:
             raise DataError(f"{spec}: the corpus is empty (the directory holds no files)")
         if single and spec.endswith(".json"):

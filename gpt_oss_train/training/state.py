@@ -74,9 +74,12 @@ class TrainSetup:
         with self.scope():
             if self.frozen is not None:  # LoRA: the base comes from the config; fresh adapters
                 params = lora_training.init_adapters(
-                    self.model_def, self.config.seed, self.mesh, self.rules,
+                    self.model_def,
+                    self.config.seed,
+                    self.mesh,
+                    self.rules,
                     self.state_shardings["params"],
-                )  # fmt: skip
+                )
             elif params is None:
                 params = self.model_def.init(self.config.seed, self.mesh, self.rules)
             opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings["opt_state"])(
@@ -158,6 +161,17 @@ def build(config, arch: dict | None = None, devices=None) -> TrainSetup:
         train_step = lora_training.WithFrozen(train_step, bound)
         eval_step = lora_training.WithFrozen(eval_step, bound)
     return TrainSetup(
-        config, model_def, mesh, rules, tx, schedule, state_sh, abstract_state, batch_sh,
-        train_step, eval_step, frozen, reference,
-    )  # fmt: skip
+        config,
+        model_def,
+        mesh,
+        rules,
+        tx,
+        schedule,
+        state_sh,
+        abstract_state,
+        batch_sh,
+        train_step,
+        eval_step,
+        frozen,
+        reference,
+    )

@@ -83,9 +83,9 @@ def lower(md, mesh, rules, params, program: str, shape: Shape):
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
 
         def rows(n):
-            settings = SamplingRows(
-                f32(n), i32(n), f32(n), jax.ShapeDtypeStruct((n,), jnp.uint32), i32(n)
-            )
+            # no logit adjustments (K = 0): the program every batch without them runs
+            u32 = jax.ShapeDtypeStruct((n,), jnp.uint32)
+            settings = SamplingRows(f32(n), i32(n), f32(n), u32, i32(n), i32(n, 0), f32(n, 0))
             return settings, jax.ShapeDtypeStruct((n,), jnp.bool_), i32(n)
 
         if program == "decode":

@@ -349,9 +349,7 @@ class EngineLoop:
             else:
                 self.stats.next_token(now - a.last_token_at)
             a.last_token_at = now
-            a.tokens.append(token)
-            a.logprobs.append(lp)
-            a.top_logprobs.append(top)
+            a.generated(token, lp, top)
             self.stats.add(generation_tokens=1)
             reason = a.finish_reason(token)
             if reason is None:

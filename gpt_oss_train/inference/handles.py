@@ -48,6 +48,13 @@ class RequestParams:
     # The LoRA adapter to generate with, by name (Engine.adapters). None: the base model,
     # or the one unnamed adapter every request uses (decode's --adapter=DIR).
     adapter: str | None = None
+    # OpenAI's logit adjustments, applied on the device in the batch (sampling.py): a bias
+    # per token id, ((id, amount), ...) with amounts in [-100, 100]; and penalties in
+    # [-2, 2] per generated occurrence of a token (frequency) and once it has occurred
+    # (presence). The log-probabilities reported stay those of the model's distribution.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def check(self, vocab_size: int, max_logprobs: int) -> None:
         """Raises RequestRejected (400) naming the first parameter out of range."""
@@ -73,10 +80,32 @@ class RequestParams:
             bad(f"logprobs must be an integer in [0, {max_logprobs}]")
         if self.adapter is not None and not isinstance(self.adapter, str):
             bad("adapter must be None or an adapter's name")
+        self._check_adjustments(vocab_size, bad)
+
+    def _check_adjustments(self, vocab_size: int, bad) -> None:
+        pairs = self.logit_bias
+        if not isinstance(pairs, (tuple, list)) or not all(
+            isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs
+        ):
+            bad("logit_bias must be a tuple of (token id, amount) pairs")
+        ids = [t for t, _ in pairs]
+        if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+            bad(f"logit_bias: token ids must be integers in [0, {vocab_size})")
+        if len(set(ids)) != len(ids):
+            bad("logit_bias names a token id twice")
+        if not all(_is_number(v) and -100 <= v <= 100 for _, v in pairs):
+            bad("logit_bias amounts must be numbers in [-100, 100]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(f"{name} must be a number in [-2, 2]")
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclasses.dataclass

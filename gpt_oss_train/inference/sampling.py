@@ -5,6 +5,12 @@ the key of a row's draw is fold_in(key(seed), step), so a request's sample depen
 on its own seed and step, never on what else is in the batch. The Generator (one setting
 for the whole batch) and the serving engine (one per slot) both sample here.
 
+A row may also carry logit adjustments: (token id, amount) pairs added to its logits
+before anything else (OpenAI's logit_bias and its frequency and presence penalties, which
+the host turns into such pairs from the tokens the row has generated: slots.py). They are
+sparse, [b, K] with K the batch's bucket of pairs; K = 0 (no row has any) adds nothing to
+the program, so a batch without them pays nothing. Padding pairs add 0 to token 0.
+
 The vocabulary sort that top-k/top-p need, and the top-n log-probabilities, run under
 `lax.cond` only when some row asks for them: a greedy batch pays for neither.
 """
@@ -25,10 +31,13 @@ class SamplingRows(NamedTuple):
     top_p: jax.Array  # float32; 1: off
     seed: jax.Array  # uint32
     step: jax.Array  # int32: which token of its request the row is drawing (0 first)
+    adjust_ids: jax.Array  # int32 [b, K]: tokens whose logits are adjusted (K may be 0)
+    adjust_by: jax.Array  # float32 [b, K]: what is added to each one's logit
 
     @staticmethod
     def broadcast(b: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0) -> SamplingRows:
-        """One setting for every row (scalars or arrays that broadcast to [b])."""
+        """One setting for every row (scalars or arrays that broadcast to [b]); no
+        logit adjustments."""
         full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (b,))
         return SamplingRows(
             full(temperature, jnp.float32),
@@ -36,7 +45,18 @@ class SamplingRows(NamedTuple):
             full(top_p, jnp.float32),
             full(seed, jnp.uint32),
             full(step, jnp.int32),
+            jnp.zeros((b, 0), jnp.int32),
+            jnp.zeros((b, 0), jnp.float32),
         )
+
+
+def adjusted(logits, rows: SamplingRows):
+    """logits [b, V] with each row's (id, amount) pairs added (unchanged when K = 0)."""
+    if rows.adjust_ids.shape[1] == 0:  # static: the program has no scatter at all
+        return logits
+    b = logits.shape[0]
+    row = jnp.broadcast_to(jnp.arange(b)[:, None], rows.adjust_ids.shape)
+    return logits.at[row, rows.adjust_ids].add(rows.adjust_by.astype(logits.dtype))
 
 
 def _filter(x, top_k, top_p):
@@ -56,7 +76,9 @@ def _filter(x, top_k, top_p):
 
 
 def sample(logits, rows: SamplingRows):
-    """One token id per row [b] int32 from float32 logits [b, V]."""
+    """One token id per row [b] int32 from float32 logits [b, V], after each row's logit
+    adjustments (greedy rows too: a bias of +100 makes a token certain)."""
+    logits = adjusted(logits, rows)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(logits):

@@ -9,6 +9,7 @@ chunks are powers of two from one prefix-cache block up to the configured chunk.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -66,6 +67,16 @@ class Active:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     last_token_at: float | None = None
+    # How often each token was generated so far: the frequency and presence penalties'
+    # counts (kept only for a request that has a penalty; updated by `generated`).
+    counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def generated(self, token: int, logprob: float, top: list) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        if self.params.frequency_penalty or self.params.presence_penalty:
+            self.counts[token] += 1
 
     @property
     def prompt(self) -> list[int]:
@@ -82,7 +93,17 @@ class Active:
 
     def settings(self) -> tuple:
         p = self.params
-        return (p.temperature, p.top_k, p.top_p, self.seed, len(self.tokens))
+        return (p.temperature, p.top_k, p.top_p, self.seed, len(self.tokens), self.adjustments())
+
+    def adjustments(self) -> dict[int, float]:
+        """{token: amount added to its logit} for the next draw: the request's logit_bias,
+        minus, for each token generated so far (the prompt's are not counted, as in
+        OpenAI's and vLLM's definition), count x frequency_penalty + presence_penalty."""
+        p = self.params
+        out = dict(p.logit_bias)
+        for token, count in self.counts.items():
+            out[token] = out.get(token, 0.0) - count * p.frequency_penalty - p.presence_penalty
+        return out
 
     def finish_reason(self, token: int) -> str | None:
         if token in self.params.stop_ids:
@@ -90,17 +111,27 @@ class Active:
         return "length" if len(self.tokens) >= self.params.max_tokens else None
 
 
+# The widths a batch's logit adjustments are padded to (each its own compiled program, made
+# when a batch first needs it): a few tokens' bias, a long completion's penalties, ...
+ADJUSTMENT_WIDTHS = (16, 128, 1024, 8192, 65536, 262144)
+IDLE_ROW = (0.0, 0, 1.0, 0, 0, {})  # greedy, no adjustments
+
+
 def sampling_settings(rows: list[tuple], n: int) -> SamplingRows:
-    """Per-row sampling settings for n rows (rows beyond the given ones: greedy)."""
-    cols = list(zip(*rows)) if rows else [()] * 5
+    """Per-row sampling settings for n rows from Active.settings() tuples (rows beyond
+    the given ones: greedy). The adjustments are padded to the smallest ADJUSTMENT_WIDTHS
+    entry that holds the row with the most (0 wide when no row has any)."""
+    rows = list(rows) + [IDLE_ROW] * (n - len(rows))
+    cols = list(zip(*rows))
     dtypes = (np.float32, np.int32, np.float32, np.uint32, np.int32)
-    arrays = []
-    for col, dt in zip(cols, dtypes):
-        a = np.zeros(n, dt)
-        a[: len(col)] = col
-        arrays.append(a)
-    arrays[2][len(rows) :] = 1.0  # top_p off
-    return SamplingRows(*arrays)
+    arrays = [np.asarray(col, dt).reshape(n) for col, dt in zip(cols[:5], dtypes)]
+    most = max((len(adj) for adj in cols[5]), default=0)
+    width = 0 if most == 0 else next((w for w in ADJUSTMENT_WIDTHS if w >= most), most)
+    ids, by = np.zeros((n, width), np.int32), np.zeros((n, width), np.float32)
+    for i, adj in enumerate(cols[5]):
+        ids[i, : len(adj)] = list(adj)
+        by[i, : len(adj)] = list(adj.values())
+    return SamplingRows(*arrays, ids, by)
 
 
 class SlotTable:
@@ -179,7 +210,7 @@ def decode_inputs(rows: list[Active], row_sizes: list[int], contexts: list[int])
     positions = np.full(n, -1, np.int32)
     want_top = np.zeros(n, bool)
     adapter_ids = np.zeros(n, np.int32)
-    settings = [(0.0, 0, 1.0, 0, 0)] * n
+    settings = [IDLE_ROW] * n
     for a in rows:
         tokens[a.slot], positions[a.slot] = a.tokens[-1], a.position
         want_top[a.slot] = a.params.logprobs > 0

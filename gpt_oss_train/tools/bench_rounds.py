@@ -34,6 +34,8 @@ def _decode_call(rows: int) -> rounds.Call:
         np.ones(rows, np.float32),
         np.arange(rows, dtype=np.uint32),
         np.arange(rows, dtype=np.int32),
+        np.zeros((rows, 0), np.int32),
+        np.zeros((rows, 0), np.float32),
     )
     args = (
         np.arange(rows, dtype=np.int32),
@@ -48,7 +50,9 @@ def _decode_call(rows: int) -> rounds.Call:
 def _prefill_round(rows: int, chunk: int) -> rounds.Round:
     """A request admitted, a chunk of its prompt prefilled and saved, and a decode step."""
     one = SamplingRows(
-        *(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.int32))
+        *(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.int32)),
+        np.zeros((1, 0), np.int32),
+        np.zeros((1, 0), np.float32),
     )
     tokens = np.arange(chunk, dtype=np.int32)[None]
     return rounds.Round(

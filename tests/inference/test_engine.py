@@ -179,6 +179,9 @@ def test_refusals_before_queueing(model):
         ([1], RequestParams(top_p=0.0), "top_p"),
         ([1], RequestParams(logprobs=21), "logprobs"),
         ([1], RequestParams(adapter="x"), "adapter"),
+        ([1], RequestParams(logit_bias=((VOCAB, 1.0),)), "logit_bias: token ids"),
+        ([1], RequestParams(logit_bias=((3, 101.0),)), "amounts must be numbers in"),
+        ([1], RequestParams(frequency_penalty=2.5), "frequency_penalty"),
     ]
     for prompt, params, what in bad:
         with pytest.raises(
@@ -196,7 +199,52 @@ def test_refusals_before_queueing(model):
     with pytest.raises(RequestRejected, match="shutting down") as e:
         engine.submit([1, 2], RequestParams(max_tokens=4))
     assert e.value.status == 503
-    assert engine.stats()["rejected"] == {400: 7, 429: 1, 503: 1}
+    assert engine.stats()["rejected"] == {400: 10, 429: 1, 503: 1}
+
+
+def _hf_greedy_with_adjustments(hf_dir, prompt, n, bias, frequency, presence) -> list[int]:
+    """transformers' float32 forward, adjusted in float64 numpy by OpenAI's definition:
+    logit + bias - count x frequency - (count > 0) x presence, counts over generated tokens."""
+    import torch
+    import transformers
+
+    hf = transformers.GptOssForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    ids, counts = list(prompt), np.zeros(VOCAB)
+    for _ in range(n):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double().numpy()
+        for t, amount in bias:
+            logits[t] += amount
+        logits -= counts * frequency + (counts > 0) * presence
+        ids.append(int(np.argmax(logits)))
+        counts[ids[-1]] += 1
+    return ids[len(prompt) :]
+
+
+def test_logit_bias_and_penalties_in_a_shared_batch(engine, hf_dir):
+    """Greedy completions with logit_bias and penalties equal transformers' forward with
+    the adjustments applied by hand; +100 makes a token certain, -100 keeps it out; and
+    the plain requests batched beside them keep their tokens."""
+    prompts = _prompts(7, [9, 21, 14, 5])
+    plain = [engine.submit(p, RequestParams(max_tokens=10)).result() for p in prompts[:2]]
+    banned = plain[0].tokens[0]
+    adjusted = [
+        RequestParams(max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5),
+        RequestParams(max_tokens=10, logit_bias=((banned, -100.0), (11, 2.0))),
+    ]
+    handles = [engine.submit(p, RequestParams(max_tokens=10)) for p in prompts[:2]]
+    handles += [engine.submit(prompts[0], adjusted[0]), engine.submit(prompts[2], adjusted[1])]
+    forced = engine.submit(prompts[3], RequestParams(max_tokens=6, logit_bias=((42, 100.0),)))
+    out = [h.result() for h in handles]
+    forced = forced.result()
+    for got, want in zip(out[:2], plain):  # (another row bucket: float rounding may move)
+        assert got.tokens == want.tokens
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    want = _hf_greedy_with_adjustments(hf_dir, prompts[0], 10, (), 1.5, 0.5)
+    assert out[2].tokens == want and out[2].tokens != plain[0].tokens
+    want = _hf_greedy_with_adjustments(hf_dir, prompts[2], 10, ((banned, -100.0), (11, 2.0)), 0, 0)
+    assert out[3].tokens == want and banned not in out[3].tokens
+    assert forced.tokens == [42] * 6
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, monkeypatch):

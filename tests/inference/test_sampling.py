@@ -4,7 +4,10 @@ from, top-k / top-p filtering, and rows that do not influence each other."""
 import jax.numpy as jnp
 import numpy as np
 
+from gpt_oss_train.inference import rounds
+from gpt_oss_train.inference.handles import RequestHandle, RequestParams
 from gpt_oss_train.inference.sampling import SamplingRows, logprobs, sample
+from gpt_oss_train.inference.slots import Active, sampling_settings
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))
@@ -66,3 +69,59 @@ def test_logprobs_and_top_alternatives_match_numpy():
         jnp.asarray(x, jnp.float32), jnp.asarray(tokens), jnp.zeros(3, bool), 5
     )
     assert not np.any(np.asarray(values)) and not np.any(np.asarray(ids))  # nobody asked
+
+
+def _adjusted_rows(n, ids, by, **kw):
+    rows = SamplingRows.broadcast(n, step=jnp.arange(n), **kw)
+    ids = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (n, len(ids)))
+    by = jnp.broadcast_to(jnp.asarray(by, jnp.float32), (n, len(by)))
+    return rows._replace(adjust_ids=ids, adjust_by=by)
+
+
+def test_logit_adjustments_shift_the_distribution_drawn_from():
+    """Pairs (id, amount) add to the logits: the draws follow softmax(log p + amounts)
+    (numpy), a padding pair (0, 0) changes nothing, and +-100 decide greedy rows."""
+    adds = np.array([0.0, -1.0, 2.0, 0.0])
+    ref = PROBS * np.exp(adds) / np.sum(PROBS * np.exp(adds))
+    rows = _adjusted_rows(8000, [1, 2, 0], [-1.0, 2.0, 0.0], temperature=1.0)
+    draws = np.asarray(sample(jnp.broadcast_to(LOGITS, (8000, 4)), rows))
+    np.testing.assert_allclose(_frequencies(draws), ref, atol=0.025)
+    greedy = lambda ids, by: set(
+        np.asarray(sample(jnp.broadcast_to(LOGITS, (50, 4)), _adjusted_rows(50, ids, by)))
+    )
+    assert greedy([3], [100.0]) == {3}  # the least likely token, made certain
+    assert greedy([0], [-100.0]) == {1}  # the most likely, never
+    sampled = _adjusted_rows(2000, [0, 1, 2], [-100.0, -100.0, -100.0], temperature=1.5)
+    assert set(np.asarray(sample(jnp.broadcast_to(LOGITS, (2000, 4)), sampled))) == {3}
+
+
+def test_penalties_become_adjustments_from_the_generated_counts():
+    """slots.Active.adjustments: OpenAI's definition, by hand: logit_bias, minus, for each
+    generated token, count x frequency_penalty + presence_penalty (prompt not counted)."""
+    params = RequestParams(
+        logit_bias=((7, 5.0), (9, -3.0)), frequency_penalty=0.5, presence_penalty=0.25
+    )
+    a = Active(RequestHandle(0, [9, 9, 4], lambda: None), params, 1, slot=0, order=0, names=[])
+    for t in (4, 7, 4, 4):
+        a.generated(t, -1.0, [])
+    assert a.adjustments() == {7: 5.0 - 0.5 - 0.25, 9: -3.0, 4: -3 * 0.5 - 0.25}
+    rows = sampling_settings([a.settings(), (0.0, 0, 1.0, 0, 0, {})], 4)
+    assert rows.adjust_ids.shape == rows.adjust_by.shape == (4, 16)  # the smallest width
+    got = dict(zip(rows.adjust_ids[0].tolist()[:3], rows.adjust_by[0].tolist()[:3]))
+    assert got == a.adjustments() and not np.any(rows.adjust_by[1:])
+    plain = sampling_settings([(0.0, 0, 1.0, 0, 0, {})], 2)
+    assert plain.adjust_ids.shape == (2, 0)  # nobody adjusts: nothing in the program
+
+
+def test_adjusted_settings_reach_the_other_processes_whole():
+    """A decode round's settings, adjustments included, survive the multi-host message
+    (rounds.encode / decode) bit for bit; without adjustments they stay 0 wide."""
+    params = RequestParams(logit_bias=((3, 1.5), (250, -100.0)), presence_penalty=0.5)
+    a = Active(RequestHandle(0, [1, 2], lambda: None), params, 9, slot=1, order=0, names=[])
+    a.generated(17, -2.0, [])
+    adjusted = sampling_settings([(0.0, 0, 1.0, 0, 0, {}), a.settings()], 4)
+    for settings in (adjusted, sampling_settings([], 2)):
+        sent = rounds.Round([rounds.Call("decode", (np.arange(4), settings), {"rows": 4})])
+        (call,) = rounds.decode(rounds.encode(sent)).calls
+        for got, want in zip(call.args[1], settings):
+            assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -287,6 +287,33 @@ def _metric(server, name) -> float:
 
 
 @pytest.mark.full
+def test_logit_bias_and_penalties_through_the_client(small_server):
+    """The openai client's logit_bias and penalties reach the engine: +100 makes a token
+    certain, -100 keeps the greedy choice out, a penalty changes a repetitive greedy
+    completion; ids outside the vocabulary and penalties out of range get 400 naming the
+    field; suffix is refused, saying why (no fill-in-the-middle in gpt-oss)."""
+    client = _client(small_server)
+    ask = dict(model="tiny2048", prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    ids = lambda r: r.choices[0].model_extra["token_ids"]
+    plain = ids(client.completions.create(**ask))
+    assert ids(client.completions.create(**ask, logit_bias={"42": 100})) == [42] * 8
+    banned = ids(client.completions.create(**ask, logit_bias={str(plain[0]): -100}))
+    assert plain[0] not in banned
+    penalised = ids(client.completions.create(**ask, frequency_penalty=2, presence_penalty=2))
+    assert len(set(penalised)) >= len(set(plain)) and penalised != plain
+    bad = (
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"suffix": "}"}, "suffix"),
+    )
+    for extra, field in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**ask, **extra)
+        assert field in str(caught.value.body), caught.value.body
+
+
+@pytest.mark.full
 def test_sigterm_drains_then_ends_running_requests_cleanly(small_server):
     """1 slot: a stream of 4 choices of 2040 tokens each (run one after the other: many
     seconds), and behind it a whole request; SIGTERM with a 2 s grace period."""

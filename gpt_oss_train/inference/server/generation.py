@@ -75,9 +75,15 @@ def check_model(state: ServerState, name: str) -> str | None:
     )
 
 
-def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, param: str) -> int:
+def check_length(
+    state: ServerState,
+    n_prompt: int,
+    max_tokens: int | None,
+    param: str,
+    prompt_param: str = "messages",
+) -> int:
     """The number of tokens to generate: max_tokens, or what is left of the context.
-    A prompt that leaves no room is refused before it is queued."""
+    A prompt that leaves no room is refused before it is queued (naming `prompt_param`)."""
     room = state.max_context - n_prompt
     if room < 1 or (max_tokens is not None and max_tokens > room):
         raise APIError(
@@ -85,7 +91,7 @@ def check_length(state: ServerState, n_prompt: int, max_tokens: int | None, para
             f"This model's context holds {state.max_context} tokens; the prompt has "
             f"{n_prompt} and {max_tokens or 1} more were asked for. Shorten the prompt or "
             f"lower {param}.",
-            param=param if room >= 1 else "messages",
+            param=param if room >= 1 else prompt_param,
             code="context_length_exceeded",
         )
     return room if max_tokens is None else max_tokens
@@ -149,6 +155,7 @@ def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter) -> lis
             stop_ids=stop_ids,
             logprobs=logprobs,
             adapter=adapter,
+            **req.logit_adjustments(),
         )
         for seed in choice_seeds(req.seed, req.n)
     ]

@@ -2,8 +2,8 @@
 
 Unknown fields are refused (400 naming the field) rather than silently ignored, so a
 client never believes a setting took effect when it did not. Fields of OpenAI's schema
-that this server does not implement are accepted only at their no-op value
-(`frequency_penalty=0`, an empty `logit_bias`, ...). Two extensions vLLM also has:
+that this server does not implement are accepted only at their no-op value (`suffix`
+empty, `response_format` text, ...). Two extensions vLLM also has:
 `top_k`, and `return_token_ids` (the prompt's ids in the response as `prompt_token_ids`).
 """
 
@@ -88,23 +88,35 @@ class _Sampling(_Strict):
     seed: int | None = Field(default=None, ge=0, lt=2**32)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    # token id (a string, as JSON keys are) -> an amount in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_token_ids: bool = False
 
     @model_validator(mode="after")
-    def _no_ops_only(self):
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported; leave it out or set 0.", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported; leave it out.", "logit_bias")
+    def _shared_checks(self):
+        for key, amount in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= amount <= 100:
+                raise bad_request(
+                    f"logit_bias: {key!r}: {amount!r}: keys are token ids, amounts in "
+                    "[-100, 100].",
+                    "logit_bias",
+                )
         stops = self.stop_list()
         if len(stops) > 4 or any(not s for s in stops):
             raise bad_request("stop takes at most 4 non-empty strings.", "stop")
         return self
+
+    def logit_adjustments(self) -> dict:
+        """RequestParams' logit_bias and penalties (the engine checks ids against the
+        vocabulary)."""
+        return dict(
+            logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            presence_penalty=float(self.presence_penalty or 0.0),
+        )
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -152,8 +164,12 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _completion_checks(self):
-        if self.suffix:
-            raise bad_request("suffix is not supported; leave it out.", "suffix")
+        if self.suffix:  # gpt-oss has no fill-in-the-middle tokens: nothing to render it with
+            raise bad_request(
+                "suffix is not supported: gpt-oss was not trained for fill-in-the-middle; "
+                "leave it out.",
+                "suffix",
+            )
         if self.best_of not in (None, self.n):
             raise bad_request("best_of is not supported; leave it out or set it to n.")
         if self.max_tokens == 0 and not self.echo:

@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions   chat_routes.py
     POST /v1/completions        completion_routes.py
+    POST /v1/responses          responses_routes.py (OpenAI's Responses API), and
+    GET  /v1/responses/{id}     a stored response (responses_store.py)
     GET  /v1/models             the served model, then each LoRA adapter (a request
                                 names one as its "model" to generate with it)
     GET  /health                200 while serving, 503 once draining (drain.py) or when a
@@ -24,13 +26,17 @@ import hmac
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from gpt_oss_train.inference.server import chat_routes, completion_routes, errors
+from gpt_oss_train.inference.server import chat_routes, completion_routes, errors, responses_routes
 from gpt_oss_train.inference.server.body_limit import BodyLimit
 from gpt_oss_train.inference.server.drain import Drain, DrainGate, is_api
 from gpt_oss_train.inference.server.generation import ServerState
 from gpt_oss_train.inference.server.metrics import CONTENT_TYPE, Metrics
 
-_COUNTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_COUNTED = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
 
 
 def _count_requests(app: FastAPI, metrics: Metrics) -> None:
@@ -96,6 +102,7 @@ def create_app(
     _count_requests(app, metrics)
     chat_routes.register(app, state)
     completion_routes.register(app, state)
+    responses_routes.register(app, state)
 
     @app.get("/v1/models")
     async def models():

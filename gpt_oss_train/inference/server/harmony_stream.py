@@ -58,6 +58,7 @@ class ChatStream:
         self.tool_calls: list[dict] = []  # {"id", "type", "function": {"name", "arguments"}}
         self._call_open = False  # the message being read is a tool call we announced
         self._broken = False
+        self.reasoning_tokens = 0  # tokens read as analysis text (the Responses usage's)
 
     @property
     def stopped(self) -> bool:
@@ -68,12 +69,16 @@ class ChatStream:
         if self._broken:
             return []
         n_done = len(self._parser.messages)
+        in_analysis = self._in_analysis()
         try:
             self._parser.process(int(token))
         except HarmonyError as e:  # the model broke the format; keep what parsed so far
             logging.warning("Harmony parse stopped at token %d: %s", token, e)
             self._broken = True
             return []
+        # Text of the analysis message, not the <|end|> that closes it (CONTENT no more).
+        if in_analysis and self._parser.state == StreamState.CONTENT:
+            self.reasoning_tokens += 1
         out = []
         if self._parser.state == StreamState.CONTENT:
             out += self._announce_call()
@@ -81,6 +86,11 @@ class ChatStream:
         if len(self._parser.messages) > n_done:
             self._call_open = False
         return [d for d in out if d]
+
+    def _in_analysis(self) -> bool:
+        p = self._parser
+        in_text = p.state == StreamState.CONTENT and not p.current_recipient
+        return in_text and p.current_channel == "analysis"
 
     def _recipient(self) -> str | None:
         r = self._parser.current_recipient

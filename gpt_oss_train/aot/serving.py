@@ -83,9 +83,11 @@ def lower(md, mesh, rules, params, program: str, shape: Shape):
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
 
         def rows(n):
-            # no logit adjustments (K = 0): the program every batch without them runs
-            u32 = jax.ShapeDtypeStruct((n,), jnp.uint32)
-            settings = SamplingRows(f32(n), i32(n), f32(n), u32, i32(n), i32(n, 0), f32(n, 0))
+            # no logit adjustments or grammars: the program every batch without them runs
+            u32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.uint32)
+            settings = SamplingRows(
+                f32(n), i32(n), f32(n), u32(n), i32(n), i32(n, 0), f32(n, 0), u32(n, 0)
+            )
             return settings, jax.ShapeDtypeStruct((n,), jnp.bool_), i32(n)
 
         if program == "decode":

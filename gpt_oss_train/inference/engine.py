@@ -45,7 +45,7 @@ from absl import logging
 from gpt_oss_train import runtime
 from gpt_oss_train.hosts import Link
 from gpt_oss_train.inference import adapters as adapters_lib
-from gpt_oss_train.inference import loading, scoring
+from gpt_oss_train.inference import constraints, loading, scoring
 from gpt_oss_train.inference.engine_loop import EngineLoop
 from gpt_oss_train.inference.engine_steps import EngineSteps
 from gpt_oss_train.inference.handles import (
@@ -57,6 +57,7 @@ from gpt_oss_train.inference.handles import (
     TokenEvent,
 )
 from gpt_oss_train.inference.loading import DecodeError, LoadedModel
+from gpt_oss_train.io import tokenizer as tok_lib
 
 __all__ = [
     "Completion",
@@ -340,6 +341,8 @@ class Engine:
         except TypeError:
             self._reject("the prompt must be a list of integer token ids", 400)
         adapter = self.adapter_slot(params.adapter)
+        if params.grammar is not None:
+            self._check_grammar(params.grammar, vocab)
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
             self._reject(f"the prompt must be 1 or more token ids in [0, {vocab})", 400)
         if len(prompt) + params.max_tokens > self.max_context:
@@ -352,6 +355,20 @@ class Engine:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._loop.enqueue(handle, params, seed, adapter)
         return handle
+
+    def _check_grammar(self, grammar, vocab: int) -> None:
+        """400 for a grammar that does not compile, or on a model whose vocabulary is not
+        Harmony's (the grammar's tokens would not be the model's)."""
+        if vocab != tok_lib.VOCAB_SIZE:
+            self._reject(
+                f"a grammar needs the Harmony vocabulary ({tok_lib.VOCAB_SIZE} ids); this "
+                f"model has {vocab}",
+                400,
+            )
+        try:
+            constraints.check(grammar)
+        except constraints.GrammarError as e:
+            self._reject(f"grammar: {e}", 400)
 
     def generate(
         self,

@@ -21,7 +21,7 @@ import numpy as np
 from absl import logging
 
 from gpt_oss_train.hosts import Link, LinkClosed
-from gpt_oss_train.inference import rounds, scoring, slots
+from gpt_oss_train.inference import constraints, rounds, scoring, slots
 from gpt_oss_train.inference.engine_stats import EngineStats
 from gpt_oss_train.inference.engine_steps import EngineSteps
 from gpt_oss_train.inference.handles import (
@@ -349,7 +349,12 @@ class EngineLoop:
             else:
                 self.stats.next_token(now - a.last_token_at)
             a.last_token_at = now
-            a.generated(token, lp, top)
+            try:
+                a.generated(token, lp, top)
+            except constraints.GrammarError as e:  # the mask failed to hold: a bug, said so
+                logging.error("request %d: %s", a.handle.id, e)
+                self.end(a, "error", error=f"GrammarError: {e}")
+                continue
             self.stats.add(generation_tokens=1)
             reason = a.finish_reason(token)
             if reason is None:

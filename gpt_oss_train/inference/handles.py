@@ -55,6 +55,9 @@ class RequestParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # A grammar the output must follow (Lark text in llguidance's dialect; constraints.py
+    # builds those of a Harmony turn: json_answer, tool_call). Needs the Harmony vocabulary.
+    grammar: str | None = None
 
     def check(self, vocab_size: int, max_logprobs: int) -> None:
         """Raises RequestRejected (400) naming the first parameter out of range."""

@@ -11,6 +11,10 @@ the host turns into such pairs from the tokens the row has generated: slots.py).
 sparse, [b, K] with K the batch's bucket of pairs; K = 0 (no row has any) adds nothing to
 the program, so a batch without them pays nothing. Padding pairs add 0 to token 0.
 
+And a row may be held to a grammar (constraints.py): `allowed` is a bitmask over the
+vocabulary, [b, words] uint32, bit j of word i for token 32 i + j, which the host fills for
+each constrained row (all ones for the others); 0 words when no row is constrained.
+
 The vocabulary sort that top-k/top-p need, and the top-n log-probabilities, run under
 `lax.cond` only when some row asks for them: a greedy batch pays for neither.
 """
@@ -33,6 +37,7 @@ class SamplingRows(NamedTuple):
     step: jax.Array  # int32: which token of its request the row is drawing (0 first)
     adjust_ids: jax.Array  # int32 [b, K]: tokens whose logits are adjusted (K may be 0)
     adjust_by: jax.Array  # float32 [b, K]: what is added to each one's logit
+    allowed: jax.Array  # uint32 [b, words]: the tokens a grammar allows (words may be 0)
 
     @staticmethod
     def broadcast(b: int, temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0) -> SamplingRows:
@@ -47,6 +52,7 @@ class SamplingRows(NamedTuple):
             full(step, jnp.int32),
             jnp.zeros((b, 0), jnp.int32),
             jnp.zeros((b, 0), jnp.float32),
+            jnp.zeros((b, 0), jnp.uint32),
         )
 
 
@@ -75,10 +81,22 @@ def _filter(x, top_k, top_p):
     return jnp.where(x < cutoff, -jnp.inf, x)
 
 
+def masked(logits, rows: SamplingRows):
+    """logits [b, V] with the tokens outside each row's `allowed` bits at -inf (unchanged
+    when no row is constrained)."""
+    if rows.allowed.shape[1] == 0:  # static, as in `adjusted`
+        return logits
+    b, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (rows.allowed[:, :, None] >> shifts) & 1  # [b, words, 32]: token 32 i + j
+    return jnp.where(bits.reshape(b, -1)[:, :vocab] == 1, logits, -jnp.inf)
+
+
 def sample(logits, rows: SamplingRows):
     """One token id per row [b] int32 from float32 logits [b, V], after each row's logit
-    adjustments (greedy rows too: a bias of +100 makes a token certain)."""
-    logits = adjusted(logits, rows)
+    adjustments and within its grammar's tokens (greedy rows too: a bias of +100 makes a
+    token certain)."""
+    logits = masked(adjusted(logits, rows), rows)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(logits):

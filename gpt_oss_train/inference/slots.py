@@ -16,6 +16,7 @@ import itertools
 
 import numpy as np
 
+from gpt_oss_train.inference import constraints
 from gpt_oss_train.inference.handles import RequestHandle, RequestParams
 from gpt_oss_train.inference.sampling import SamplingRows
 
@@ -70,13 +71,22 @@ class Active:
     # How often each token was generated so far: the frequency and presence penalties'
     # counts (kept only for a request that has a penalty; updated by `generated`).
     counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    walk: constraints.Walk | None = None  # where the request is in its grammar, if any
+
+    def __post_init__(self):
+        if self.params.grammar is not None:
+            self.walk = constraints.Walk(self.params.grammar)
 
     def generated(self, token: int, logprob: float, top: list) -> None:
+        """Records a sampled token; raises constraints.GrammarError if it breaks the
+        request's grammar (the mask makes that a bug, never the model's choice)."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.top_logprobs.append(top)
         if self.params.frequency_penalty or self.params.presence_penalty:
             self.counts[token] += 1
+        if self.walk is not None:
+            self.walk.advance(token)
 
     @property
     def prompt(self) -> list[int]:
@@ -93,7 +103,10 @@ class Active:
 
     def settings(self) -> tuple:
         p = self.params
-        return (p.temperature, p.top_k, p.top_p, self.seed, len(self.tokens), self.adjustments())
+        return (
+            *(p.temperature, p.top_k, p.top_p, self.seed, len(self.tokens)),
+            *(self.adjustments(), self.walk),
+        )
 
     def adjustments(self) -> dict[int, float]:
         """{token: amount added to its logit} for the next draw: the request's logit_bias,
@@ -106,7 +119,7 @@ class Active:
         return out
 
     def finish_reason(self, token: int) -> str | None:
-        if token in self.params.stop_ids:
+        if token in self.params.stop_ids or (self.walk is not None and self.walk.done):
             return "stop"
         return "length" if len(self.tokens) >= self.params.max_tokens else None
 
@@ -114,13 +127,14 @@ class Active:
 # The widths a batch's logit adjustments are padded to (each its own compiled program, made
 # when a batch first needs it): a few tokens' bias, a long completion's penalties, ...
 ADJUSTMENT_WIDTHS = (16, 128, 1024, 8192, 65536, 262144)
-IDLE_ROW = (0.0, 0, 1.0, 0, 0, {})  # greedy, no adjustments
+IDLE_ROW = (0.0, 0, 1.0, 0, 0, {}, None)  # greedy, no adjustments, no grammar
 
 
 def sampling_settings(rows: list[tuple], n: int) -> SamplingRows:
     """Per-row sampling settings for n rows from Active.settings() tuples (rows beyond
     the given ones: greedy). The adjustments are padded to the smallest ADJUSTMENT_WIDTHS
-    entry that holds the row with the most (0 wide when no row has any)."""
+    entry that holds the row with the most (0 wide when no row has any); the grammar
+    masks are filled now, for each row's next token (0 words when no row has a grammar)."""
     rows = list(rows) + [IDLE_ROW] * (n - len(rows))
     cols = list(zip(*rows))
     dtypes = (np.float32, np.int32, np.float32, np.uint32, np.int32)
@@ -131,7 +145,17 @@ def sampling_settings(rows: list[tuple], n: int) -> SamplingRows:
     for i, adj in enumerate(cols[5]):
         ids[i, : len(adj)] = list(adj)
         by[i, : len(adj)] = list(adj.values())
-    return SamplingRows(*arrays, ids, by)
+    return SamplingRows(*arrays, ids, by, _grammar_masks(cols[6]))
+
+
+def _grammar_masks(walks) -> np.ndarray:
+    if all(w is None for w in walks):
+        return np.zeros((len(walks), 0), np.uint32)
+    allowed = np.full((len(walks), constraints.mask_words()), 0xFFFFFFFF, np.uint32)
+    for row, walk in zip(allowed, walks):
+        if walk is not None:
+            walk.fill(row)
+    return allowed
 
 
 class SlotTable:

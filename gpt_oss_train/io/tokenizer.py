@@ -161,7 +161,6 @@ def ensure_vocab(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Pat
 
 
 @functools.cache
-@functools.cache
 def _mergeable_ranks() -> dict[bytes, int]:
     """o200k_base's ranks (token bytes -> id): harmony's ids of ordinary text."""
     ranks = {}
@@ -170,6 +169,26 @@ def _mergeable_ranks() -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
     return ranks
+
+
+@functools.cache
+def _ordinary_token_bytes() -> tuple[bytes, ...]:
+    """The bytes of every ordinary token, by id (specials come after them)."""
+    table = [b""] * STARTOFTEXT_ID
+    for token, rank in _mergeable_ranks().items():
+        table[rank] = token
+    return tuple(table)
+
+
+def is_special(token: int) -> bool:
+    return token >= STARTOFTEXT_ID
+
+
+def token_bytes(token: int) -> bytes:
+    """A token's bytes; a special token's are its "<|...|>" name."""
+    if is_special(token):
+        return Tokenizer().decode([token]).encode()
+    return _ordinary_token_bytes()[token]
 
 
 @functools.cache

@@ -36,6 +36,7 @@ def _decode_call(rows: int) -> rounds.Call:
         np.arange(rows, dtype=np.int32),
         np.zeros((rows, 0), np.int32),
         np.zeros((rows, 0), np.float32),
+        np.zeros((rows, 0), np.uint32),
     )
     args = (
         np.arange(rows, dtype=np.int32),
@@ -53,6 +54,7 @@ def _prefill_round(rows: int, chunk: int) -> rounds.Round:
         *(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.int32)),
         np.zeros((1, 0), np.int32),
         np.zeros((1, 0), np.float32),
+        np.zeros((1, 0), np.uint32),
     )
     tokens = np.arange(chunk, dtype=np.int32)[None]
     return rounds.Round(

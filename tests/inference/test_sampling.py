@@ -7,7 +7,7 @@ import numpy as np
 from gpt_oss_train.inference import rounds
 from gpt_oss_train.inference.handles import RequestHandle, RequestParams
 from gpt_oss_train.inference.sampling import SamplingRows, logprobs, sample
-from gpt_oss_train.inference.slots import Active, sampling_settings
+from gpt_oss_train.inference.slots import IDLE_ROW, Active, sampling_settings
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05])
 LOGITS = jnp.log(jnp.asarray(PROBS, jnp.float32))
@@ -105,11 +105,11 @@ def test_penalties_become_adjustments_from_the_generated_counts():
     for t in (4, 7, 4, 4):
         a.generated(t, -1.0, [])
     assert a.adjustments() == {7: 5.0 - 0.5 - 0.25, 9: -3.0, 4: -3 * 0.5 - 0.25}
-    rows = sampling_settings([a.settings(), (0.0, 0, 1.0, 0, 0, {})], 4)
+    rows = sampling_settings([a.settings(), IDLE_ROW], 4)
     assert rows.adjust_ids.shape == rows.adjust_by.shape == (4, 16)  # the smallest width
     got = dict(zip(rows.adjust_ids[0].tolist()[:3], rows.adjust_by[0].tolist()[:3]))
     assert got == a.adjustments() and not np.any(rows.adjust_by[1:])
-    plain = sampling_settings([(0.0, 0, 1.0, 0, 0, {})], 2)
+    plain = sampling_settings([IDLE_ROW], 2)
     assert plain.adjust_ids.shape == (2, 0)  # nobody adjusts: nothing in the program
 
 
@@ -119,7 +119,7 @@ def test_adjusted_settings_reach_the_other_processes_whole():
     params = RequestParams(logit_bias=((3, 1.5), (250, -100.0)), presence_penalty=0.5)
     a = Active(RequestHandle(0, [1, 2], lambda: None), params, 9, slot=1, order=0, names=[])
     a.generated(17, -2.0, [])
-    adjusted = sampling_settings([(0.0, 0, 1.0, 0, 0, {}), a.settings()], 4)
+    adjusted = sampling_settings([IDLE_ROW, a.settings()], 4)
     for settings in (adjusted, sampling_settings([], 2)):
         sent = rounds.Round([rounds.Call("decode", (np.arange(4), settings), {"rows": 4})])
         (call,) = rounds.decode(rounds.encode(sent)).calls

@@ -29,8 +29,8 @@ openai = pytest.importorskip("openai")
 import jax
 import numpy as np
 from support import harmony_model as hm
+from support import random_models
 
-from gpt_oss_train import config as config_lib
 from gpt_oss_train.inference.engine import Engine, RequestParams
 from gpt_oss_train.inference.server import responses_items
 from gpt_oss_train.inference.server.app import create_app
@@ -39,9 +39,7 @@ from gpt_oss_train.inference.server.harmony_stream import ChatStream
 from gpt_oss_train.inference.server.local import ThreadServer
 from gpt_oss_train.inference.server.responses_request import ResponsesRequest
 from gpt_oss_train.inference.server.responses_store import ResponseStore, Stored
-from gpt_oss_train.io import hf
 from gpt_oss_train.io import tokenizer as tok_lib
-from gpt_oss_train.model.transformer import ModelDef
 
 TOKENIZER = tok_lib.Tokenizer()
 MODEL = "tiny-random"
@@ -278,20 +276,8 @@ def _bigram_checkpoint(folder) -> str:
     depend on its own token only; chain token i embeds as the unit vector i, and the
     unembedding column of token i + 1 is large along i. Greedy decoding of any prompt
     ending "<|start|>assistant" then writes ANSWER as a final message and <|return|>."""
-    config = config_lib.default_config()
-    config.model.update(
-        hidden_size=16,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        intermediate_size=16,
-        num_layers=2,
-        num_experts=4,
-        experts_per_token=2,
-        sliding_window=32,
-    )
-    md = ModelDef(config_lib.ModelConfig.from_config(config))
-    params = jax.tree.map(np.array, md.init(0))
+    config = random_models.harmony_vocab_config()
+    params = random_models.random_params(config)
     for block in params["blocks"].values():
         for name in ("o_kernel", "o_bias"):
             block["attn"][name][...] = 0
@@ -302,8 +288,7 @@ def _bigram_checkpoint(folder) -> str:
     for i, (token, after) in enumerate(zip(chain, chain[1:])):
         params["embed"]["embedding"][token] = np.eye(16)[i]
         params["unembed"]["kernel"][i, after] = 100.0
-    hf.save_hf(folder, config_lib.model_arch(config), params, dtype="float32")
-    return str(folder)
+    return random_models.save_checkpoint(folder, config, params)
 
 
 @pytest.fixture(scope="module")
@@ -471,12 +456,14 @@ def test_unsupported_fields_get_400_naming_them_and_unknown_ids_404(server, clie
     ask = dict(model=MODEL, input="x", max_output_tokens=1)
     body = _refused(lambda: client.responses.create(**ask, extra_body={"bogus": 1}))
     assert body["param"] == "bogus" and "bogus" in body["message"]
-    schema = {"type": "json_schema", "name": "a", "schema": {"type": "object"}}
-    for fmt in (schema, {"type": "json_object"}):
+    # structured outputs and forced calls that cannot hold (test_structured_outputs.py
+    # has those that can)
+    bad_schema = {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}
+    for fmt in (bad_schema, {"type": "json_schema", "name": "a"}, {"type": "yaml"}):
         body = _refused(lambda: client.responses.create(**ask, text={"format": fmt}))
-        assert body["param"] == "text.format" and fmt["type"] in body["message"]
+        assert body["param"] == "text.format", body
     body = _refused(lambda: client.responses.create(**ask, tool_choice="required"))
-    assert body["param"] == "tool_choice"
+    assert body["param"] == "tool_choice" and "needs tools" in body["message"]
     body = _refused(lambda: client.responses.create(**ask, reasoning={"summary": "auto"}))
     assert body["param"] == "reasoning.summary"
     body = _refused(lambda: client.responses.create(model=MODEL, input={"role": "user"}))

@@ -25,11 +25,12 @@ def run_tool_json(name: str, *args: str) -> list[dict]:
 
 
 @contextlib.contextmanager
-def served(checkpoint, *, max_slots, max_context, model_name="tiny-harmony", **app):
+def served(checkpoint, *, max_slots, max_context, model_name="tiny-harmony", devices=None, **app):
     """The HTTP server (in a thread, on a free loopback port) over a float32 engine on
-    `checkpoint`; `app`: create_app's other options (api_key, ...)."""
+    `checkpoint` (on `devices`, default all 8); `app`: create_app's other options."""
     engine = Engine.from_checkpoint(
         checkpoint,
+        devices=devices,
         dtype="float32",
         max_slots=max_slots,
         max_context=max_context,

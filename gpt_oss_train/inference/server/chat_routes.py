@@ -6,7 +6,7 @@ import time
 
 from fastapi import FastAPI, Request
 
-from gpt_oss_train.inference.server import chat_format, errors, generation
+from gpt_oss_train.inference.server import chat_format, errors, generation, structured
 from gpt_oss_train.inference.server.errors import APIError
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
 from gpt_oss_train.inference.server.harmony_stream import ChatStream, Delta
@@ -163,7 +163,13 @@ async def _stream(state, req, rid, prompt, handles, request_start):
 def _params(state, req, n_prompt, adapter):
     max_tokens = generation.check_length(state, n_prompt, req.token_limit(), "max_tokens")
     logprobs = (req.top_logprobs or 0) if req.logprobs else 0
-    return generation.choice_params(req, max_tokens, CHAT_STOP_IDS, logprobs, adapter)
+    tools = [t.function.model_dump() for t in req.tools or []]
+    grammar = structured.grammar(
+        req.response_format, "response_format", req.tool_choice_value(), tools, max_tokens
+    )
+    return generation.choice_params(
+        req, max_tokens, CHAT_STOP_IDS, logprobs, adapter, grammar=grammar
+    )
 
 
 def register(app: FastAPI, state: ServerState) -> None:

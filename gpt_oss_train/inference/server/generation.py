@@ -142,9 +142,9 @@ def choice_seeds(seed: int | None, n: int) -> list[int | None]:
     return [None if seed is None else (seed + i) % 2**32 for i in range(n)]
 
 
-def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter) -> list:
+def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter, grammar=None) -> list:
     """RequestParams for each of a request's `n` choices (its own seed each), with the
-    sampling fields chat and text completions share."""
+    sampling fields chat and text completions share (and chat's grammar, if any)."""
     return [
         RequestParams(
             max_tokens=max_tokens,
@@ -155,6 +155,7 @@ def choice_params(req, max_tokens: int, stop_ids, logprobs: int, adapter) -> lis
             stop_ids=stop_ids,
             logprobs=logprobs,
             adapter=adapter,
+            grammar=grammar,
             **req.logit_adjustments(),
         )
         for seed in choice_seeds(req.seed, req.n)

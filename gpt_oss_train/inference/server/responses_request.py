@@ -13,8 +13,8 @@ Output items a response returned are valid input items as they are (their "id", 
 and empty "annotations" are accepted), so a client can send `response.output` back.
 
 As in schemas.py, an unknown field is refused with 400 naming it, and a field this server
-does not implement is refused unless it has its no-op value: `tool_choice` other than
-"auto" / "none", `text.format` other than text (structured outputs), `reasoning.summary`.
+does not implement is refused unless it has its no-op value (`reasoning.summary`);
+`text.format` and a forced `tool_choice` become a grammar (structured.py).
 """
 
 from __future__ import annotations
@@ -195,10 +195,6 @@ class ResponsesRequest(_Strict):
 
     @model_validator(mode="after")
     def _checks(self):
-        if self.tool_choice not in (None, "auto", "none"):
-            raise bad_request(
-                "tool_choice: only 'auto' and 'none' are supported.", param="tool_choice"
-            )
         for name in ("summary", "generate_summary"):
             if self.reasoning and getattr(self.reasoning, name) is not None:
                 raise bad_request(
@@ -206,13 +202,6 @@ class ResponsesRequest(_Strict):
                     "the whole chain of thought); leave it out.",
                     param=f"reasoning.{name}",
                 )
-        fmt = (self.text.format if self.text else None) or {"type": "text"}
-        if fmt.get("type") != "text":
-            raise bad_request(
-                f"text.format: only {{'type': 'text'}} is supported; {fmt.get('type')!r} "
-                "(structured outputs) is not.",
-                param="text.format",
-            )
         if isinstance(self.input, str):
             self._items = [MessageItem(role="user", content=self.input)]
         else:
@@ -227,6 +216,9 @@ class ResponsesRequest(_Strict):
     @property
     def effort(self) -> str:
         return (self.reasoning.effort if self.reasoning else None) or "medium"
+
+    def text_format(self) -> dict:
+        return (self.text.format if self.text else None) or {"type": "text"}
 
     def offered_tools(self) -> list[FunctionTool]:
         """The tools the prompt shows: none with tool_choice "none", as chat does."""

@@ -30,7 +30,7 @@ import time
 from fastapi import FastAPI, Request
 
 from gpt_oss_train.inference.engine import RequestParams
-from gpt_oss_train.inference.server import errors, generation, responses_items
+from gpt_oss_train.inference.server import errors, generation, responses_items, structured
 from gpt_oss_train.inference.server.chat_routes import CHAT_STOP_IDS
 from gpt_oss_train.inference.server.errors import APIError, bad_request
 from gpt_oss_train.inference.server.generation import ABORT, ServerState
@@ -99,12 +99,16 @@ def _prompt(state: ServerState, req: ResponsesRequest, items: list, first: int) 
 
 
 def _params(req: ResponsesRequest, max_tokens: int, adapter: str | None) -> RequestParams:
+    tools = [t.model_dump(include={"name", "parameters", "strict"}) for t in req.tools or []]
     return RequestParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         stop_ids=CHAT_STOP_IDS,
         adapter=adapter,
+        grammar=structured.grammar(
+            req.text_format(), "text.format", req.tool_choice, tools, max_tokens
+        ),
     )
 
 
@@ -138,7 +142,7 @@ class _Response:
             "reasoning": {"effort": req.effort, "summary": None},
             "store": req.store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": req.text_format()},
             "tool_choice": req.tool_choice or "auto",
             "tools": [t.model_dump() for t in req.tools or []],
             "top_p": 1.0 if req.top_p is None else req.top_p,

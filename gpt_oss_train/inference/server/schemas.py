@@ -50,7 +50,7 @@ class Tool(_Strict):
 
 class NamedToolChoice(_Strict):
     type: Literal["function"]
-    function: dict[str, str]
+    function: dict[str, str]  # {"name": ...}
 
 
 class ContentPart(_Strict):
@@ -100,8 +100,7 @@ class _Sampling(_Strict):
         for key, amount in (self.logit_bias or {}).items():
             if not key.isdigit() or not -100 <= amount <= 100:
                 raise bad_request(
-                    f"logit_bias: {key!r}: {amount!r}: keys are token ids, amounts in "
-                    "[-100, 100].",
+                    f"logit_bias: {key!r}: {amount!r}: keys are token ids, amounts in [-100, 100].",
                     "logit_bias",
                 )
         stops = self.stop_list()
@@ -140,18 +139,18 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _chat_checks(self):
-        if self.tool_choice is not None and not isinstance(self.tool_choice, str):
-            raise bad_request("tool_choice: only 'auto' and 'none' are supported.", "tool_choice")
-        if self.tool_choice == "required":
-            raise bad_request("tool_choice: only 'auto' and 'none' are supported.", "tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format: only {'type': 'text'} is supported.")
+        # response_format and a forced tool_choice become a grammar (structured.py)
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
         return self
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_choice_value(self):
+        """tool_choice as plain JSON ("auto", "required", {"type": "function", ...})."""
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 class CompletionRequest(_Sampling):

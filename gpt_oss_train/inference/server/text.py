@@ -10,32 +10,10 @@ part of a stop string, and the stop string itself is trimmed (as OpenAI does).
 from __future__ import annotations
 
 import codecs
-import functools
 
-from gpt_oss_train.io import hf_tokenizer
 from gpt_oss_train.io import tokenizer as tok_lib
 
-
-@functools.cache
-def _token_bytes() -> tuple[bytes, ...]:
-    """The bytes of every ordinary token (o200k_base's ranks); specials come after them."""
-    folder = tok_lib.ensure_vocab()
-    ranks = hf_tokenizer.read_ranks(folder / tok_lib.VOCAB_FILE)
-    table = [b""] * len(ranks)
-    for token, rank in ranks.items():
-        table[rank] = token
-    return tuple(table)
-
-
-def is_special(token: int) -> bool:
-    return token >= tok_lib.STARTOFTEXT_ID
-
-
-def token_bytes(token: int) -> bytes:
-    """A token's bytes; a special token's are its "<|...|>" name."""
-    if is_special(token):
-        return tok_lib.Tokenizer().decode([token]).encode()
-    return _token_bytes()[token]
+is_special, token_bytes = tok_lib.is_special, tok_lib.token_bytes  # (used here and by routes)
 
 
 def token_text(token: int) -> str:

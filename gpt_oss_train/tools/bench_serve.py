@@ -36,7 +36,6 @@ from gpt_oss_train import errors
 from gpt_oss_train.decode import requests
 from gpt_oss_train.inference import loading
 from gpt_oss_train.inference.server.local import free_port, wait_ready
-from gpt_oss_train.inference.server.text import token_bytes
 from gpt_oss_train.io import hf
 from gpt_oss_train.io import tokenizer as tok_lib
 from gpt_oss_train.tools import bench_serve_client as client
@@ -62,7 +61,7 @@ def word_tokens(tokenizer) -> list[int]:
     """Ids of ' word' tokens (a space and 3-8 lowercase letters): text made of them
     tokenizes back to exactly them under any o200k tokenizer."""
     pattern = re.compile(rb"^ [a-z]{3,8}$")
-    return [i for i in range(100000) if pattern.match(token_bytes(i))]
+    return [i for i in range(100000) if pattern.match(tok_lib.token_bytes(i))]
 
 
 def make_requests(n: int, seed: int, tokenizer) -> list[dict]:

@@ -11,7 +11,7 @@ from gpt_oss_train.inference.server.errors import APIError
 from gpt_oss_train.inference.server.generation import SSE_DONE, ServerState, sse, usage
 from gpt_oss_train.inference.server.harmony_stream import ChatStream, Delta
 from gpt_oss_train.inference.server.schemas import ChatCompletionRequest
-from gpt_oss_train.inference.server.text import token_bytes, token_text
+from gpt_oss_train.inference.server.text import token_text
 from gpt_oss_train.io import tokenizer as tok_lib
 
 CHAT_STOP_IDS = tuple(sorted(tok_lib.Tokenizer.stop_ids))  # <|return|>, <|call|>
@@ -19,7 +19,7 @@ CHAT_STOP_IDS = tuple(sorted(tok_lib.Tokenizer.stop_ids))  # <|return|>, <|call|
 
 def _logprob_entry(token: int, logprob: float, top: list) -> dict:
     def one(t, lp):
-        return {"token": token_text(t), "logprob": lp, "bytes": list(token_bytes(t))}
+        return {"token": token_text(t), "logprob": lp, "bytes": list(tok_lib.token_bytes(t))}
 
     return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 

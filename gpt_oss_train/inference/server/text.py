@@ -13,12 +13,10 @@ import codecs
 
 from gpt_oss_train.io import tokenizer as tok_lib
 
-is_special, token_bytes = tok_lib.is_special, tok_lib.token_bytes  # (used here and by routes)
-
 
 def token_text(token: int) -> str:
     """One token as text on its own (what logprobs report); a cut character is U+FFFD."""
-    return token_bytes(token).decode("utf-8", errors="replace")
+    return tok_lib.token_bytes(token).decode("utf-8", errors="replace")
 
 
 class Detokenizer:
@@ -29,9 +27,9 @@ class Detokenizer:
         self._specials = specials
 
     def push(self, token: int) -> str:
-        if is_special(token) and not self._specials:
+        if tok_lib.is_special(token) and not self._specials:
             return ""
-        return self._decoder.decode(token_bytes(token))
+        return self._decoder.decode(tok_lib.token_bytes(token))
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)

@@ -239,6 +239,12 @@ def _estimate_lines(e: dict) -> list[str]:
             f"            {e['tokens_per_s_per_chip']:.0f} tokens/s per chip, MFU "
             f"{100 * e['mfu']:.1f}% (model FLOPs / step time / peak)"
         )
+    if e.get("step_lower_s") is not None:
+        lines.append(
+            f"  bounds    step {ms(e['step_lower_s'])} ms if every part overlapped, "
+            f"{ms(e['step_upper_s'])} ms if none did"
+            + (f" (host transfers {ms(e['host_s'])} ms)" if e.get("host_s") else "")
+        )
     wrapped = textwrap.wrap(f"({e['assumption']})", 80)
     lines += ["            " + line for line in wrapped]
     return lines + [f"  note      {n}" for n in e["notes"]]

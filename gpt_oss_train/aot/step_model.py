@@ -31,7 +31,12 @@
 `estimate` turns the account into a step time with one overlap assumption: compute (at
 the chip's bf16 peak) and HBM traffic (at its bandwidth) overlap, so the slower of the
 two counts; collectives are added after, not overlapped (at ICI bandwidth within a
-slice, DCN across slices). docs/AOT.md states the model's blind spots.
+slice, DCN across slices). Beside that single estimate, for comparing programs, it gives
+the bounds a user can plan with: the lower one if everything overlapped perfectly (the
+slowest of compute, HBM, the links and the host transfers), the upper one if nothing did
+(their sum). Host-offload transfers are charged only at a bandwidth the caller states
+(no chip page publishes one); without it the upper bound is unknown. docs/AOT.md states
+the model's blind spots.
 """
 
 from __future__ import annotations
@@ -225,16 +230,64 @@ def _collective_seconds(
     return ici_s, dcn_s
 
 
+def bounds(parts: dict[str, float | None], host_bytes: float, host_bandwidth: float | None) -> dict:
+    """(step_lower_s, step_upper_s, host_s): every part overlapped against none. The
+    host transfers count at `host_bandwidth` (bytes/s a device, both ways together);
+    without it they are left out of the lower bound (which stays a bound) and the upper
+    bound is None. A part without its chip figure (None) leaves both None."""
+    host_s = host_bytes / host_bandwidth if host_bandwidth else (0.0 if not host_bytes else None)
+    known = list(parts.values())
+    if any(t is None for t in known):
+        return {"step_lower_s": None, "step_upper_s": None, "host_s": host_s}
+    lower = max([*known, host_s or 0.0])
+    upper = None if host_s is None else sum(known) + host_s
+    return {"step_lower_s": lower, "step_upper_s": upper, "host_s": host_s}
+
+
+_HOST_NOTE = "host offload moves"
+
+
+def _charge(e: dict, host_bandwidth: float | None, devices_per_chip: int) -> None:
+    """Sets the bounds of estimate `e`, host transfers at `host_bandwidth` bytes/s a chip
+    (None: not charged), and the note that says which."""
+    per_device = host_bandwidth / devices_per_chip if host_bandwidth else None
+    parts = {k: e[f"{k}_s"] for k in ("compute", "hbm", "ici", "dcn")}
+    e.update(bounds(parts, e["host_bytes"], per_device))
+    e["notes"] = [n for n in e["notes"] if not n.startswith(_HOST_NOTE)]
+    if e["host_bytes"]:
+        charged = (
+            f"charged in the bounds at {host_bandwidth / 1e9:g} GB/s a chip (given)"
+            if host_bandwidth
+            else "not charged (no chip page states a host-link figure; --host_gbps "
+            "states one), so no upper bound"
+        )
+        e["notes"].append(
+            f"{_HOST_NOTE} {e['host_bytes'] / 2**30:.1f} GiB a step between HBM and host "
+            f"memory; {charged}; the single estimate leaves it out"
+        )
+
+
+def charge_host(result: dict, host_gbps: float) -> None:
+    """A compiled result's bounds (its "estimate") with the host transfers charged at
+    `host_gbps` GB/s a chip (aot_compile's and maxtext_compile's --host_gbps)."""
+    e = result.get("estimate") or {}
+    chip = hardware.chip(result.get("device_kind", ""))
+    if "compute_s" in e and chip is not None:
+        _charge(e, host_gbps * 1e9, chip.devices_per_chip)
+
+
 def estimate(
     acct: StepAccount,
     chip: hardware.Chip | None,
     model_flops: float | None = None,
     tokens: float | None = None,
+    host_bandwidth: float | None = None,
 ) -> dict:
     """Step time per the overlap assumption (ASSUMPTION), with tokens/s per chip and the MFU
     it implies from `model_flops` and `tokens` per device per step (the account is a
-    device's; a chip may show several). Any part without a chip figure is None, and the
-    notes say which."""
+    device's; a chip may show several), and the lower and upper bounds (`bounds`; host
+    transfers at `host_bandwidth` bytes/s a chip, if given). Any part without a chip
+    figure is None, and the notes say which."""
     out = {"assumption": ASSUMPTION, "notes": []}
     if chip is None:
         out["notes"].append("no figures for this chip in gpt_oss_train/hardware.py: no estimate")
@@ -252,11 +305,8 @@ def estimate(
             "cross those links: no step time"
         )
     step = None if hbm_s is None or links else max(compute_s, hbm_s) + ici_s + dcn_s
-    if acct.host_bytes:
-        out["notes"].append(
-            f"host offload moves {acct.host_bytes / 2**30:.1f} GiB a step between HBM and "
-            "host memory; not charged (hardware.py has no host-link figure)"
-        )
+    out["host_bytes"] = acct.host_bytes
+    _charge(out, host_bandwidth, chip.devices_per_chip)
     out["step_s"] = step
     per_chip = tokens * chip.devices_per_chip if tokens else None
     out["tokens_per_s_per_chip"] = per_chip / step if step and per_chip else None

@@ -60,6 +60,12 @@ def _define_flags():
     )
     flags.DEFINE_integer("num_slices", 1, "Slices joined over DCN (multi-slice).")
     flags.DEFINE_float(
+        "host_gbps",
+        0.0,
+        "Charge host-offload transfers at this many GB/s a chip in the step's bounds "
+        "(0: no chip page states one; the upper bound is then unknown when a step offloads).",
+    )
+    flags.DEFINE_float(
         "hbm_gib", 0.0, "Memory per device in GiB (0: the chip's HBM from the table)."
     )
     flags.DEFINE_string(
@@ -103,7 +109,7 @@ def _define_flags():
 
 def main(argv):
     del argv
-    from gpt_oss_train.aot import check, report, serving  # lazy: as in _define_flags
+    from gpt_oss_train.aot import check, report, serving, step_model  # lazy: as above
 
     f = flags.FLAGS
     config = f["config"].value
@@ -124,6 +130,9 @@ def main(argv):
         shape,
         f.weights,
     )
+    if f.host_gbps:
+        for part in [r, *(v for v in r.values() if isinstance(v, dict) and "estimate" in v)]:
+            step_model.charge_host(part, f.host_gbps)
     report.emit(r, report.text(r), f.json)
     if r["fits"] is False:
         sys.exit(1)

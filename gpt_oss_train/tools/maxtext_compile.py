@@ -32,13 +32,15 @@ from gpt_oss_train.aot import tpu
 def main(argv):
     del argv
     # lazy: these load JAX, after tpu.offline_environment() has set its environment
-    from gpt_oss_train.aot import maxtext, report
+    from gpt_oss_train.aot import maxtext, report, step_model
 
     f = flags.FLAGS
     compiled, mesh, config = maxtext.compile_maxtext(
         f.maxtext, f.model, f.topology, f.settings or []
     )
     r = maxtext.account(f.model, f.topology, compiled, mesh, config)
+    if f.host_gbps:
+        step_model.charge_host(r, f.host_gbps)
     report.emit(r, report.maxtext(r), f.json)
 
 
@@ -49,6 +51,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("topology", "v5e:16x16", "TPU slice as libtpu names it")
     flags.DEFINE_string("json", "", "also write the result as JSON to this path (- : stdout)")
     flags.DEFINE_multi_string("settings", [], "MaxText key=value settings (or after --)")
+    flags.DEFINE_float(
+        "host_gbps", 0.0, "Charge host-offload transfers at this many GB/s a chip in the bounds."
+    )
     # MaxText's own key=value settings follow `--` (flags there, --helpfull, stay ours).
     if "--" in sys.argv:
         cut = sys.argv.index("--")

@@ -379,6 +379,46 @@ def test_estimate_is_the_stated_formula(program):
     assert e["step_s"] is None and any("no interconnect figure" in n for n in e["notes"])
 
 
+def test_bounds_are_every_part_overlapped_and_none(program):
+    """The lower bound is the slowest of compute, HBM and the links (all overlapped), the
+    upper one their sum (none overlapped); the single estimate lies between."""
+    chip = hardware.Chip(1e12, None, 1e9, ici_bandwidth=4e9, dcn_bandwidth=1e8)
+    acct = step_model.account(program, MESH)
+    compute, hbm = acct.flops / 1e12, acct.hbm_bytes / 1e9
+    ici = TRIPS * (2 * 3 / 4 * PSUM_BYTES + GATHER_BYTES / 2) / 2e9
+    e = step_model.estimate(acct, chip)
+    assert e["step_lower_s"] == pytest.approx(max(compute, hbm, ici), rel=1e-12)
+    assert e["step_upper_s"] == pytest.approx(compute + hbm + ici, rel=1e-12)
+    assert e["step_lower_s"] <= e["step_s"] <= e["step_upper_s"]
+    assert e["host_s"] == 0.0
+    e = step_model.estimate(acct, hardware.Chip(1e12, None, 1e9))  # no link figures
+    assert e["step_lower_s"] is None and e["step_upper_s"] is None
+
+
+def test_host_transfers_count_in_the_bounds_only_at_a_stated_bandwidth():
+    """SPARSE_CORE offloads 1,024 bytes a step: without a host figure the upper bound is
+    unknown and the lower one leaves them out; at a stated figure (a chip's, shared by
+    its devices) both count them; the single estimate never does."""
+    acct = step_model.account(SPARSE_CORE, hlo_text.MeshSpec(("fsdp",), (4,)))
+    chip = hardware.Chip(1e6, None, 1e6, ici_bandwidth=1e6, devices_per_chip=2)
+    e = step_model.estimate(acct, chip)
+    parts = [e["compute_s"], e["hbm_s"], e["ici_s"], e["dcn_s"]]
+    assert e["step_upper_s"] is None and e["step_lower_s"] == pytest.approx(max(parts))
+    assert any("no upper bound" in n for n in e["notes"]), e["notes"]
+    assert acct.host_bytes == 1024
+    slow = 8.0  # bytes/s a chip: 4 a device, so the 1,024 bytes take 256 s
+    e = step_model.estimate(acct, chip, host_bandwidth=slow)
+    assert e["host_s"] == pytest.approx(256.0)
+    assert e["step_lower_s"] == pytest.approx(256.0)
+    assert e["step_upper_s"] == pytest.approx(sum(parts) + 256.0)
+    assert e["step_s"] == pytest.approx(max(parts[:2]) + parts[2] + parts[3])
+    # charged afterwards on a result (aot_compile --host_gbps): the same bounds
+    result = {"device_kind": "TPU7x", "estimate": step_model.estimate(acct, hardware.chip("TPU7x"))}
+    step_model.charge_host(result, 8e-9)
+    want = step_model.estimate(acct, hardware.chip("TPU7x"), host_bandwidth=8.0)
+    assert {k: result["estimate"][k] for k in want} == want
+
+
 def test_a_chip_shown_as_two_devices_splits_its_figures(program):
     """TPU7x: libtpu shows each chip as two devices; the account is one device's, so the
     device gets half the chip's peak and HBM bandwidth and half its share of the links,

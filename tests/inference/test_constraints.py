@@ -8,7 +8,7 @@ import jax
 import jsonschema
 import numpy as np
 import pytest
-from support import random_models
+from support import random_models, schemas
 
 from gpt_oss_train.inference import constraints, loading
 from gpt_oss_train.inference.engine import Engine, RequestParams, RequestRejected
@@ -17,37 +17,7 @@ from gpt_oss_train.io import tokenizer as tok_lib
 TOKENIZER = tok_lib.Tokenizer()
 V = tok_lib.VOCAB_SIZE
 
-# nested objects, arrays with maxItems, enums, booleans, bounded strings, required fields
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-        "ok": {"type": "boolean"},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 8}, "zip": {"type": "integer"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "ok", "address"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}},
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
-CLOCK = {
-    "name": "get_time",
-    "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-}
+SCHEMA, WEATHER, CLOCK = schemas.PERSON, schemas.WEATHER, schemas.CLOCK
 
 
 def _walk(grammar: str, seed: int, limit: int = 400) -> list[int]:

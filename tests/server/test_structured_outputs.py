@@ -10,61 +10,12 @@ import jax
 import jsonschema
 import openai
 import pytest
-from support import random_models
+from support import random_models, schemas
 from support.runners import served
 
 MODEL = "random"
-# nested objects, arrays with maxItems, enums, booleans, bounded strings, required fields
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-        "member": {"type": "boolean"},
-        "home": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "floors": {"type": "array", "items": {"type": "integer"}, "maxItems": 4},
-            },
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "member", "home"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "unit": {"enum": ["C", "F"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string", "maxLength": 20},
-                "top": {"type": "integer", "maximum": 9},
-            },
-            "required": ["query"],
-            "additionalProperties": False,
-        },
-    },
-}
+PERSON = schemas.PERSON
+WEATHER, SEARCH = schemas.chat_tool(schemas.WEATHER), schemas.chat_tool(schemas.SEARCH)
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, SEARCH)}
 ASK = [{"role": "user", "content": "Tell me about a person."}]
 

@@ -45,7 +45,7 @@ def hf_logits(model, toks):
         return model(torch.tensor(toks)).logits.numpy()
 
 
-def our_logits(path, toks, mesh_sizes, **overrides):
+def our_logits(path, toks, mesh_sizes, positions=None, **overrides):
     arch = hf.HFCheckpoint(path).model_config
     c = config_lib.default_config()
     c.dtype = "float32"
@@ -59,12 +59,12 @@ def our_logits(path, toks, mesh_sizes, **overrides):
     with sharding.use_mesh(mesh, rules):
 
         @jax.jit
-        def f(p, t):
+        def f(p, t, pos):
             m = md.bind(p)
-            h, _, _ = m(t)
+            h, _, _ = m(t, positions=pos)
             return m.logits(h)
 
-        return np.asarray(f(params, toks))
+        return np.asarray(f(params, toks, positions))
 
 
 @pytest.mark.parametrize("scan", [True, False])
@@ -107,3 +107,26 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(hf_dir, tmp_path, rea
     # quantization really changed the model (else this test would prove nothing)
     dense = hf_logits(transformers.GptOssForCausalLM.from_pretrained(hf_dir).eval(), toks)
     assert np.abs(dense - ref).max() > 1e-3
+
+
+@pytest.mark.parametrize("start", [40_000, 131_032])
+def test_logits_match_transformers_far_into_the_context(tmp_path, random_hf_model, start):
+    """YaRN's long positions (factor 32 over 4,096: 131,072 in all), past 32,768 and up to
+    the last one: 40 tokens placed at `start` by their position ids, against transformers
+    given the same position ids (the window and causal masks depend on distances only).
+
+    Where attention is sharp, float32 angles this far out differ by ~1e-3 rad between any
+    two implementations whose frequencies differ in the last bit (ours are rounded from
+    float64, transformers' computed in float32): scaling q and k 3x here moves the logits
+    ~1.6e-4 apart at 40,000. The random model's gentle attention keeps that below BOUND,
+    while RoPE still moves its logits by several BOUNDs (the last assert)."""
+    random_hf_model(seed=4, max_position_embeddings=131_072).save_pretrained(tmp_path)
+    toks = tokens(batch=2, seed=5)
+    positions = np.broadcast_to(np.arange(start, start + toks.shape[1]), toks.shape)
+    hf_model = transformers.GptOssForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(toks), position_ids=torch.tensor(positions)).logits.numpy()
+    near = hf_logits(hf_model, toks)  # the same tokens at 0..39: RoPE really moved them
+    got = our_logits(tmp_path, toks, dict(data=1, fsdp=1, tensor=1, expert=1), positions=positions)
+    assert np.abs(got - ref).max() <= BOUND
+    assert np.abs(near - ref).max() > 4 * BOUND

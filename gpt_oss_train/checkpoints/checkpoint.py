@@ -396,6 +396,10 @@ class TrainCheckpointer:
                 DATA: grain.checkpoint.CheckpointSave(data_iterator),
             }
         )
+        if self._saving is not None:
+            # The previous save is still under way: settle it first (Orbax would wait for
+            # it inside save() anyway), so its step gets its integrity record.
+            self._settle()
         cannot_write = _agree(self._cannot_write())
         if cannot_write:
             self._fail(step, cannot_write)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -360,3 +361,18 @@ def test_local_launcher_stops_survivors_without_promising_a_checkpoint(tmp_path)
     assert "SIGTERM" not in r.stdout
     # The survivor sleeps for 600 s: the timeout above fails the test unless it was stopped.
     assert "process 1 exited with status 3; the others cannot save a checkpoint" in r.stderr
+
+
+def test_back_to_back_async_saves_each_get_their_integrity_record(tmp_path):
+    """A save started while the previous one is still under way (no poll between them)
+    settles that one first: every step gets its file_sizes.json, which a restore checks."""
+    arch = config_lib.model_arch(config_lib.from_file(os.path.join(ROOT, "configs", "cpu_tiny.py")))
+    ckpt = ckpt_lib.TrainCheckpointer(str(tmp_path), arch=arch, every=1, keep=5, async_save=True)
+    data = iter(grain.MapDataset.range(8).to_iter_dataset())
+    for step in (1, 2, 3):
+        params = {"w": np.full((512, 64), step, np.float32)}
+        assert ckpt.save(step, params, {"m": np.zeros(3, np.float32)}, data, 0, force=True)
+    ckpt.close()
+    assert ckpt.failure is None, ckpt.failure
+    for step in (1, 2, 3):
+        assert os.path.isfile(tmp_path / "checkpoints" / str(step) / "file_sizes.json"), step

@@ -102,16 +102,27 @@ def find_step_dir(path: str) -> tuple[str, int] | None:
 
 
 def read_model_config(path: str) -> dict[str, Any]:
-    """The architecture stored with a checkpoint (no arrays are read)."""
+    """The architecture stored with a checkpoint (no arrays are read): a step folder's
+    own; for a workdir or checkpoint root, the newest step's whose model config reads (a
+    damaged newer step is skipped here as load_params skips it)."""
     found = find_step_dir(path)
     if found is None:
         raise CheckpointError(f"{path}: no Orbax checkpoint with a model config found here")
-    root, step = found
-    arch = _stored_model_config(root, step)
-    if arch is None:
-        item_dir = storage.join(root, str(step), MODEL_CONFIG)
-        raise CheckpointError(f"{item_dir}: model config JSON not found or unreadable")
-    return arch
+    root, newest = found
+    named = storage.basename(storage.normalize(path)) == str(newest)
+    for step in [newest] if named else _steps(root):
+        arch = _stored_model_config(root, step)
+        if arch is not None:
+            if step != newest:
+                logging.warning(
+                    "The model config of step %d under %s is unreadable; reading step %d's",
+                    newest,
+                    root,
+                    step,
+                )
+            return arch
+    item_dir = storage.join(root, str(newest), MODEL_CONFIG)
+    raise CheckpointError(f"{item_dir}: model config JSON not found or unreadable")
 
 
 def _stored_model_config(root: str, step: int) -> dict[str, Any] | None:

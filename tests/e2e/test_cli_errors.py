@@ -484,3 +484,20 @@ def test_an_unreadable_model_config_is_damage_and_the_previous_step_resumes(mixe
     assert found is not None and found[0] == 2
     assert any("CHECKPOINT DAMAGED: step 4" in r.getMessage() for r in caplog.records)
     assert _tree(workdir / "damaged_checkpoints" / "4") == damaged
+
+
+def test_decode_reads_past_a_newest_step_whose_model_config_is_unreadable(mixed_workdir):
+    """As training does: decode's loader takes the architecture, and the params, of the
+    newest step that reads (step 2), rather than failing on the damaged step 4."""
+    workdir, a, _, write = mixed_workdir
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    write(str(workdir), 4, a)
+    (workdir / "checkpoints" / "4" / "model_config" / "metadata").write_text("")
+    before = _tree(workdir)
+    assert ckpt_lib.read_model_config(str(workdir)) == a
+    shape = lambda *s: jax.ShapeDtypeStruct(s, np.float32)  # noqa: E731
+    params, arch, step = ckpt_lib.load_params(str(workdir), {"w": shape(a["hidden_size"], 4)})
+    assert (arch, step) == (a, 2) and np.all(np.asarray(params["w"]) == 1)
+    with pytest.raises(ckpt_lib.CheckpointError, match="model config JSON not found"):
+        ckpt_lib.read_model_config(str(workdir / "checkpoints" / "4"))  # asked for by name
+    assert _tree(workdir) == before  # decode moves nothing

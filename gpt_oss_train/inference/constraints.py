@@ -167,6 +167,10 @@ def _tool_name(tool: dict) -> str:
     return name
 
 
+def _parameters(tool: dict) -> dict:
+    return tool.get("parameters") or {"type": "object"}
+
+
 def _calls(tools: list[dict], schema_of) -> tuple[list[str], str]:
     """(rule names, rules) of a call to each tool, its arguments held to schema_of(tool)."""
     rules = []
@@ -185,7 +189,7 @@ def tool_call(tools: list[dict], only: str | None, max_thought_tokens: int) -> s
     chosen = [t for t in tools if only is None or t.get("name") == only]
     if not chosen:
         raise GrammarError(f"no tool named {only!r} among the tools given")
-    names, rules = _calls(chosen, lambda t: t.get("parameters") or {"type": "object"})
+    names, rules = _calls(chosen, _parameters)
     return _turn(f"({' | '.join(names)})", rules, max_thought_tokens)
 
 
@@ -194,10 +198,7 @@ def answer_or_strict_call(tools: list[dict], max_thought_tokens: int) -> str:
     arguments of a tool marked "strict" valid for its parameters, any JSON object for
     the others (OpenAI's strict function calling, with tool_choice "auto")."""
     names, rules = _calls(
-        tools,
-        lambda t: (
-            (t.get("parameters") or {"type": "object"}) if t.get("strict") else {"type": "object"}
-        ),
+        tools, lambda t: _parameters(t) if t.get("strict") else {"type": "object"}
     )
     final = 'final: <|channel|> "final" <|message|> text <|return|>\ntext: /(.|\\n)*/\n'
     return _turn(f"(final | {' | '.join(names)})", final + rules, max_thought_tokens)

@@ -103,10 +103,8 @@ class Active:
 
     def settings(self) -> tuple:
         p = self.params
-        return (
-            *(p.temperature, p.top_k, p.top_p, self.seed, len(self.tokens)),
-            *(self.adjustments(), self.walk),
-        )
+        step = len(self.tokens)
+        return (p.temperature, p.top_k, p.top_p, self.seed, step, self.adjustments(), self.walk)
 
     def adjustments(self) -> dict[int, float]:
         """{token: amount added to its logit} for the next draw: the request's logit_bias,

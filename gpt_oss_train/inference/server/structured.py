@@ -76,7 +76,7 @@ def grammar(
     if not (forced or json_answer or strict):
         return None
     budget = int(max_tokens * REASONING_SHARE)
-    param = fmt_param if json_answer else "tools" if strict and not forced else "tool_choice"
+    param = fmt_param if json_answer else "tool_choice" if forced else "tools"
     try:
         if forced:
             text = constraints.tool_call(tools, name, budget)

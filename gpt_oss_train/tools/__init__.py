@@ -14,6 +14,8 @@ bench_serve         our server vs `transformers serve` vs a static batch, same r
 bench_serve_client  bench_serve's client: concurrent streamed completions and their timings
 convert_checkpoint  Hugging Face safetensors <-> Orbax checkpoints
 export_lora         a LoRA adapter as a PEFT folder, or merged into its base as HF
+gpu_suite           every GPU measurement in one budgeted run (--dry_run: tiny, on a CPU);
+                    gpu_suite_steps and gpu_suite_report are its parts
 pretokenize         tokenize a corpus once into ArrayRecord shards training reads
 
 The ahead-of-time compile, the step model and their report are a library,

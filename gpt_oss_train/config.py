@@ -29,6 +29,7 @@ from gpt_oss_train import runtime as runtime_lib
 from gpt_oss_train.architecture import LORA_TARGETS, PRESETS
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.kernels import Kernels, registry
+from gpt_oss_train.kernels.xla import context_parallel
 from gpt_oss_train.sharding import MESH_AXES
 
 # Logical axis names used by the model, and the mesh axes they shard over by default.
@@ -40,7 +41,7 @@ from gpt_oss_train.sharding import MESH_AXES
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp", "expert")),
     ("moe_batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "context"),  # a no-op at mesh.context=1
     ("act_embed", None),
     ("embed", "fsdp"),
     ("vocab", "tensor"),
@@ -50,9 +51,10 @@ DEFAULT_RULES = (
     ("mlp", "tensor"),
     ("exp", "expert"),
     ("layers", None),
-    # The KV cache: rows like the batch, KV heads like the attention's, slots unsharded.
+    # The KV cache: rows like the batch, KV heads like the attention's, slots over the
+    # context axis (a 131,072-slot cache split where one chip cannot hold it).
     ("cache_batch", ("data", "fsdp", "expert")),
-    ("cache_length", None),
+    ("cache_length", "context"),
     ("cache_kv_heads", "tensor"),
     ("cache_head_dim", None),
 )
@@ -106,13 +108,14 @@ def default_config() -> ml_collections.ConfigDict:
     # this multiple of its share under balanced routing (still exact: rounds continue to
     # the last row); 0 sizes one pass for the worst routing (every pair on one shard).
     c.moe_capacity_factor = 0.0
+    c.moe_token_tile = 0  # > 0: the MoE runs in tiles of this many tokens (long context)
     c.seed = 0
     # Per operation: "auto" (the platform's default), "xla" (the reference) or the name of
     # an implementation in kernels/registry.py.
     c.kernels = ml_collections.ConfigDict({op: registry.AUTO for op in registry.OPS})
 
-    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
-    c.mesh_dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1, expert=1))
+    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, context=1, tensor=1, expert=1))
+    c.mesh_dcn = ml_collections.ConfigDict(dict(data=1, fsdp=1, context=1, tensor=1, expert=1))
     c.logical_axis_rules = DEFAULT_RULES
 
     c.train = _train_defaults()
@@ -322,6 +325,7 @@ class ModelConfig:
     attention_block: int = 512
     moe_impl: str = "ragged"
     moe_capacity_factor: float = 0.0
+    moe_token_tile: int = 0
     lora: LoraSpec | None = None  # adapters the network carries (None: none)
     kernels: Kernels = Kernels()  # the implementation of each operation ("auto": platform's)
 
@@ -372,6 +376,7 @@ def validate(config: ml_collections.ConfigDict):
         _validate_mesh(name, config[name])
     t = config.train
     _validate_train(t)
+    _validate_context(config)
     if t.objective == "dpo":
         _validate_dpo(config.dpo, t)
     if t.objective == "grpo":
@@ -404,6 +409,7 @@ def _validate_compute(config: ml_collections.ConfigDict):
         "moe_capacity_factor",
         f"{config.moe_capacity_factor} must be >= 0 (0: one pass sized for the worst routing)",
     )
+    _check(config.moe_token_tile >= 0, "moe_token_tile", "must be >= 0 (0: no tiling)")
     _check(
         config.param_dtype in DTYPES,
         "param_dtype",
@@ -428,6 +434,29 @@ def _validate_mesh(name: str, sizes: ml_collections.ConfigDict):
         sum(1 for ax in MESH_AXES if sizes[ax] == -1) <= 1,
         name,
         "at most one axis may be -1 (it takes the devices left over)",
+    )
+
+
+def _validate_context(config: ml_collections.ConfigDict):
+    """config.mesh.context > 1 cuts each training sequence into that many equal pieces,
+    each at least as long as a banded layer's reach into the previous one. (A -1 context
+    is sized by the devices and checked when the step is traced.)"""
+    ways = config.mesh.context * config.mesh_dcn.context
+    if ways <= 1:
+        return
+    seq_len = config.train.seq_len
+    _check(
+        seq_len % ways == 0,
+        "mesh.context",
+        f"{ways} pieces do not divide train.seq_len={seq_len}; make it a multiple",
+    )
+    reach = context_parallel.lead_keys(config.model.sliding_window)
+    _check(
+        seq_len // ways >= reach,
+        "mesh.context",
+        f"{ways} pieces of train.seq_len={seq_len} are {seq_len // ways} tokens, shorter than "
+        f"the {reach} keys a banded layer reads from the previous piece; use fewer pieces or "
+        "longer sequences",
     )
 
 

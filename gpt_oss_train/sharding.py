@@ -27,15 +27,17 @@ from gpt_oss_train.errors import ConfigError
 Rules = tuple[tuple[str, Any], ...]
 
 # The mesh axes, outermost first. Parameters and activations never name them: logical
-# axis rules (config.logical_axis_rules) map logical names onto these.
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+# axis rules (config.logical_axis_rules) map logical names onto these. `context` splits
+# every activation's sequence (kernels/xla/context_parallel.py says how attention crosses it).
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 
 def resolve_axis_sizes(
     sizes: dict[str, int], num_devices: int, what: str = "mesh"
 ) -> tuple[int, ...]:
-    """Mesh sizes in MESH_AXES order, with the one -1 filled so the product is num_devices."""
-    values = [int(sizes[ax]) for ax in MESH_AXES]
+    """Mesh sizes in MESH_AXES order, with the one -1 filled so the product is num_devices
+    (an axis `sizes` leaves out has size 1)."""
+    values = [int(sizes.get(ax, 1)) for ax in MESH_AXES]
     known = math.prod(v for v in values if v != -1)
     if -1 in values:
         if num_devices % known:
@@ -58,7 +60,7 @@ def make_mesh(
     dcn_sizes: dict[str, int] | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """The device mesh with axes (data, fsdp, tensor, expert).
+    """The device mesh with axes MESH_AXES (data, fsdp, context, tensor, expert).
 
     `mesh_sizes` is per slice (ICI); `dcn_sizes` splits across slices (multi-slice TPU) and
     is multiplied in, with the hybrid mesh keeping fast ICI axes inside a slice.
@@ -267,6 +269,13 @@ def initialize_distributed():
 def spec_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry (None, an axis name, or a tuple of them)."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def split_axes(entry, mesh: Mesh) -> tuple[str, ...]:
+    """The axes of a PartitionSpec entry that split a dimension: those of more than one
+    device (a rule naming a size-1 axis, as `length` -> `context` does by default,
+    splits nothing)."""
+    return tuple(a for a in spec_axes(entry) if mesh.shape[a] > 1)
 
 
 def spec_entry(axes: tuple[str, ...]):

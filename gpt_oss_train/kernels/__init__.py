@@ -21,6 +21,7 @@ from absl import logging
 from gpt_oss_train import sharding
 from gpt_oss_train.kernels import registry
 from gpt_oss_train.kernels.registry import AUTO, OPS, REFERENCE
+from gpt_oss_train.kernels.xla import context_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,23 @@ class Kernels:
     def attention(self, q, k, v, sinks, *, positions, segment_ids, window, block=512):
         """Self-attention over whole sequences (training, prefill): q [b, s, n, h], k/v
         [b, s, kh, h], sinks [n], positions and segment ids [b, s] (0: padding); `window`
-        None for full causal layers; `block`: the blockwise variant's query block."""
+        None for full causal layers; `block`: the blockwise variant's query block. Where the
+        rules split the sequence over devices (mesh.context > 1), the XLA context-parallel
+        attention runs whatever the choice (kernels/xla/context_parallel.py)."""
+        if axes := context_parallel.length_axes(q.shape[1], window):
+            _log_once(
+                f"kernels: attention over sequences split on {axes} takes xla's context parallel"
+            )
+            return context_parallel.attention(
+                q,
+                k,
+                v,
+                sinks,
+                positions=positions,
+                segment_ids=segment_ids,
+                window=window,
+                block=block,
+            )
         return self._run(
             "attention",
             q,

@@ -35,7 +35,9 @@ def lookup(table_vd, tokens_bs, dtype):
         # table over the (one-device) batch axes, an all-reduce XLA:CPU runs as a copy.
         return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
     mesh, rules = ctx
-    tok = sharding.fit_spec(sharding.logical_to_spec(("batch", None), rules), tokens_bs.shape, mesh)
+    tok = sharding.fit_spec(
+        sharding.logical_to_spec(("batch", "length"), rules), tokens_bs.shape, mesh
+    )
     t_spec = sharding.fit_spec(
         sharding.logical_to_spec(("vocab", "embed"), rules), table_vd.shape, mesh
     )
@@ -47,6 +49,9 @@ def lookup(table_vd, tokens_bs, dtype):
     exchange = all(a in tok_axes for a in embed_axes)  # embed slices <-> batch rows
     if embed_axes and not exchange and any(a in tok_axes for a in embed_axes):
         # Embed split over batch and non-batch axes at once: leave it to the partitioner.
+        return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
+    if set(sharding.spec_axes(tok[1])) & set(vocab_axes + embed_axes):
+        # The sequence split over the table's axes (context parallelism sharing them).
         return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
     if any(a in tok_axes for a in vocab_axes):
         # A vocabulary split along batch axes would need every device's tokens.

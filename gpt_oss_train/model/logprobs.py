@@ -42,7 +42,7 @@ def token_logprobs(
     if plan is None:
         w = unembed_dv.astype(dtype)
         return _token_logprobs(hidden_bsd, lambda: w, targets_bs, chunk, dtype, kernels)
-    mesh, rows, embed_axes = plan
+    mesh, rows, embed_axes = plan  # rows: the [b, s] spec of batch and sequence
 
     def local(h, w, t):
         whole = jax.lax.stop_gradient(sharding.gather_weight(w, embed_axes, 0, dtype))
@@ -53,31 +53,34 @@ def token_logprobs(
     fn = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(P(rows), w_spec, P(rows)),
-        out_specs=(P(rows), P(rows)),
+        in_specs=(rows, w_spec, rows),
+        out_specs=(rows, rows),
         check_vma=False,
     )
     return fn(hidden_bsd, unembed_dv, targets_bs)
 
 
 def _per_device_plan(hidden_shape, unembed_shape):
-    """(mesh, the batch's mesh axes, the unembedding's model-dimension axes) when the
-    loss can run per device (token_logprobs' docstring), else None."""
+    """(mesh, the [batch, length] PartitionSpec of the hidden states' rows, the
+    unembedding's model-dimension axes) when the loss can run per device (token_logprobs'
+    docstring), else None."""
     ctx = sharding.active()
     if ctx is None:
         return None
     mesh, rules = ctx
-    rows = sharding.fit_spec(sharding.logical_to_spec(("batch",), rules), hidden_shape, mesh)[0]
+    rows = sharding.fit_spec(
+        sharding.logical_to_spec(("batch", "length"), rules), hidden_shape[:2], mesh
+    )
     w_spec = sharding.fit_spec(
         sharding.logical_to_spec(("embed", "vocab"), rules), unembed_shape, mesh
     )
-    split_over = lambda entry: tuple(a for a in sharding.spec_axes(entry) if mesh.shape[a] > 1)
+    split_over = lambda entry: sharding.split_axes(entry, mesh)
     embed_axes = split_over(w_spec[0])
     if not embed_axes or split_over(w_spec[1]):
         return None
     # Every device must hold rows of its own: a device repeating another's would add its
     # gradient twice (shard_map sums the unembedding's over the axes it is not split on).
-    split = set(sharding.spec_axes(rows)) | set(embed_axes)
+    split = set(sharding.spec_axes(rows[0]) + sharding.spec_axes(rows[1])) | set(embed_axes)
     if any(size > 1 and ax not in split for ax, size in mesh.shape.items()):
         return None
     return mesh, rows, embed_axes
@@ -92,10 +95,12 @@ def _token_logprobs(hidden_bsd, weight, targets_bs, chunk, dtype, kernels):
         hidden_bsd = jnp.pad(hidden_bsd, ((0, 0), (0, pad), (0, 0)))
         targets_bs = jnp.pad(targets_bs, ((0, 0), (0, pad)))
     n = hidden_bsd.shape[1] // chunk
-    # [n, b, chunk, ...]: scan over chunks of positions; every chunk keeps the batch
-    # sharding, so no device waits on another's rows.
-    h = jnp.moveaxis(hidden_bsd.reshape(b, n, chunk, d), 1, 0)
-    t = jnp.moveaxis(targets_bs.reshape(b, n, chunk), 1, 0)
+    # [n, b, chunk, ...]: scan over n chunks, chunk j holding positions j, j + n, j + 2n...
+    # (each token's log-probability is its own, so any grouping gives the same numbers).
+    # Strided, every chunk keeps the batch's sharding and the sequence's (context
+    # parallelism: `chunk` splits as the positions do), so no device waits on another's.
+    h = jnp.moveaxis(hidden_bsd.reshape(b, chunk, n, d), 2, 0)
+    t = jnp.moveaxis(targets_bs.reshape(b, chunk, n), 2, 0)
 
     def one(carry, xs):
         hc, tc = xs
@@ -104,6 +109,6 @@ def _token_logprobs(hidden_bsd, weight, targets_bs, chunk, dtype, kernels):
     if n > 1:  # one chunk's logits at a time: the backward recomputes each chunk's
         one = jax.checkpoint(one)
     _, (logp, lse) = jax.lax.scan(one, None, (h, t))
-    logp = jnp.moveaxis(logp, 0, 1).reshape(b, n * chunk)[:, :s]
-    lse = jnp.moveaxis(lse, 0, 1).reshape(b, n * chunk)[:, :s]
+    logp = jnp.moveaxis(logp, 0, 2).reshape(b, n * chunk)[:, :s]
+    lse = jnp.moveaxis(lse, 0, 2).reshape(b, n * chunk)[:, :s]
     return logp, lse

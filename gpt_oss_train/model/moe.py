@@ -314,8 +314,11 @@ def sharded_experts(
     mesh, rules = ctx
     w = w._replace(**{n: whole(getattr(w, n)) for n in streamed_weights.EXPERTS})
     spec = lambda *names: sharding.logical_to_spec(names, rules)
-    # Decode batches may not divide the batch shards: keep only the axes that divide.
-    tok = sharding.fit_spec(spec("batch", None), x_td.shape, mesh)
+    # Tokens are the [batch, length] rows flattened, so split over the batch's axes and then
+    # the sequence's (context parallelism); decode batches may not divide them: keep only
+    # the axes that divide.
+    row_axes = sharding.spec_axes(spec("batch")[0]) + sharding.spec_axes(spec("length")[0])
+    tok = sharding.fit_spec(P(sharding.spec_entry(row_axes), None), x_td.shape, mesh)
     exp_spec = spec("exp", None, "mlp")
     exp_axes, mlp_axes = sharding.spec_axes(exp_spec[0]), sharding.spec_axes(exp_spec[2])
     # The batch axes that also shard experts: tokens move between these devices to reach

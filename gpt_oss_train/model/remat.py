@@ -14,6 +14,10 @@ _policies = jax.checkpoint_policies
 # their outputs a small part of its activations (tokens x k x (2 F + D) float32 a layer).
 EXPERT_PRODUCTS = "expert_products"
 
+# The name of a block's input, the residual stream entering it, which "offload_inputs"
+# moves to host memory: at long length the only activation a block keeps for the backward.
+BLOCK_INPUT = "block_input"
+
 
 def _checkpointed(policy):
     # prevent_cse only matters outside a scan (a scan body is never CSE'd across steps).
@@ -27,6 +31,17 @@ POLICIES = {
     "save_dots_no_batch": _checkpointed(_policies.checkpoint_dots_with_no_batch_dims),
     # keep the expert matmuls' outputs, recompute the rest (attention, routing, GLU, norms)
     "save_moe": _checkpointed(_policies.save_only_these_names(EXPERT_PRODUCTS)),
+    # keep each block's input in host memory (copied out in the forward, back in the
+    # backward) and recompute the rest: the device holds only the running block's
+    # activations. On a CPU the copy is none (host memory is its memory): "full"'s program.
+    "offload_inputs": _checkpointed(
+        _policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[BLOCK_INPUT],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    ),
 }
 
 

@@ -244,6 +244,9 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x_bsd, valid_bs, adapter_ids=None):
+        """(y [b, s, d], the load-balancing loss). Routing runs over every token at once
+        (the router is small, and the loss needs its statistics over all valid tokens);
+        past cfg.moe_token_tile tokens the experts run tile by tile (`tiled_experts`)."""
         cfg = self.cfg
         b, s, d = x_bsd.shape
         x = x_bsd.reshape(b * s, d)
@@ -264,11 +267,21 @@ class MoE(nnx.Module):
             self.bo[...],
             self.expert_lora(adapter_ids, s),
         )
+        if 0 < cfg.moe_token_tile < b * s:
+            k = cfg.experts_per_token
+            y = self.tiled_experts(x_bsd, weights.reshape(b, s, k), idx.reshape(b, s, k), w)
+        else:
+            y = self.experts(x, weights, idx, w)
+        return y.reshape(b, s, d).astype(DTYPES[cfg.dtype]), aux
+
+    def experts(self, x_td, weights_tk, idx_tk, w: moe_lib.ExpertWeights):
+        """The configured strategy (cfg.moe_impl) on routed tokens: [T, d] float32."""
+        cfg = self.cfg
         sharded = {"capacity_factor": cfg.moe_capacity_factor} if cfg.moe_impl == "sharded" else {}
-        y = moe_lib.EXPERT_IMPLS[cfg.moe_impl](
-            x,
-            weights,
-            idx,
+        return moe_lib.EXPERT_IMPLS[cfg.moe_impl](
+            x_td,
+            weights_tk,
+            idx_tk,
             w,
             limit=cfg.swiglu_limit,
             alpha=cfg.swiglu_alpha,
@@ -276,7 +289,49 @@ class MoE(nnx.Module):
             kernels=cfg.kernels,
             **sharded,
         )
-        return y.reshape(b, s, d).astype(DTYPES[cfg.dtype]), aux
+
+    def tiled_experts(self, x_bsd, weights_bsk, idx_bsk, w: moe_lib.ExpertWeights):
+        """`experts` over tiles of about cfg.moe_token_tile tokens, one at a time, each
+        under jax.checkpoint (Unsloth's tiled MLP): the [tokens, k, expert hidden]
+        intermediates, forward and in the backward's recompute, are one tile's, not the
+        layer's. A tile holds `c` positions of every row, strided over the sequence (tile
+        j: positions j, j + n, j + 2n, ...) as the loss's chunks are (logprobs.py), so each
+        keeps the batch's sharding and the sequence's (context parallelism: while the
+        context shards divide c and c divides s) and no device waits on another's rows.
+        A tile is at least one position of each row (b tokens). Each token's output is its
+        own, so the grouping changes no number. remat_policy "save_moe" still keeps every
+        tile's expert products (tokens x k x (2 F + D)): "full" keeps none of them."""
+        b, s, d = x_bsd.shape
+        c = min(s, max(1, self.cfg.moe_token_tile // b))
+        n = -(-s // c)
+        rows = None if w.lora is None else w.lora.rows  # a token's adapter, [b * s] or None
+        # Padding positions (past s) get zero routing weights, so they add nothing, and
+        # the last real position's experts (`edge`: k distinct ones, as routing picks);
+        # their outputs are dropped below.
+        pads = ("constant", "constant", "edge", "edge")
+        names = (("act_embed",), (None,), (None,), ())
+        inputs = (x_bsd, weights_bsk, idx_bsk, None if rows is None else rows.reshape(b, s))
+        tiles = [
+            None if a is None else self._to_tiles(a, c, n, mode, axes)
+            for a, mode, axes in zip(inputs, pads, names)
+        ]
+
+        def one(tile):
+            x, wts, idx, r = (None if a is None else a.reshape(b * c, *a.shape[2:]) for a in tile)
+            lw = w if r is None else w._replace(lora=w.lora._replace(rows=r))
+            return self.experts(x, wts, idx, lw).reshape(b, c, d)
+
+        y = jax.lax.map(jax.checkpoint(one, prevent_cse=False), tuple(tiles))  # [n, b, c, d]
+        return jnp.moveaxis(y, 0, 2).reshape(b, n * c, d)[:, :s]
+
+    @staticmethod
+    def _to_tiles(a_bs, c: int, n: int, mode: str, names: tuple):
+        """[b, s, ...] -> [n, b, c, ...], tile j holding positions j, j + n, ... of each row
+        (s padded to n * c with `mode`); `names`: the logical axes of the dims after s."""
+        b, s = a_bs.shape[:2]
+        a = jnp.pad(a_bs, [(0, 0), (0, n * c - s)] + [(0, 0)] * (a_bs.ndim - 2), mode=mode)
+        a = jnp.moveaxis(a.reshape(b, c, n, *a.shape[2:]), 2, 0)
+        return sharding.constrain(a, (None, "batch", "length", *names))
 
 
 class DecoderLayer(nnx.Module):
@@ -387,6 +442,7 @@ class Transformer(nnx.Module):
         # input and stacking it back as an output would copy every layer's cache twice a step.
         def body(carry, xs):
             x, cache = carry
+            x = jax.ad_checkpoint.checkpoint_name(x, remat.BLOCK_INPUT)  # "offload_inputs"
             params, layer = xs
             if stacks is not None:
                 params = streamed_weights.put(params, stacks)

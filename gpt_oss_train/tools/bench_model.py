@@ -62,7 +62,9 @@ from gpt_oss_train.training import state as state_lib
 
 _CONFIG = errors.define_config_flag("config", "configs/cpu_tiny.py", "Config file.")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "decode"], "What to time.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Timed training steps (after one warm-up step).")
+_STEPS = flags.DEFINE_integer(
+    "steps", 5, "Timed training steps (after one warm-up step); 0: compile only (memory)."
+)
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Decode batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "Decode prompt length.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per sequence.")
@@ -111,6 +113,15 @@ def _memory_gb(device) -> float | None:
     return None if peak is None else peak / 2**30
 
 
+def compiled_memory_gb(compiled) -> float:
+    """One device's memory for the compiled step by XLA's analysis: its arguments,
+    outputs and temporaries (aliased donations counted once). The figure a CPU gives,
+    where devices keep no allocation statistics; on a TPU it bounds the allocator's peak."""
+    m = compiled.memory_analysis()
+    used = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return (used + m.temp_size_in_bytes) / 2**30
+
+
 def peak_rss_gb() -> float:
     """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -147,50 +158,64 @@ def bench_train(config):
     batch = jax.device_put({k: v.astype(np.int32) for k, v in batch.items()}, setup.batch_sharding)
     with setup.scope():
         t0 = time.perf_counter()
-        state, out = setup.train_step(state, batch)
-        jax.block_until_ready(out)
+        step = setup.train_step.lower(state, batch).compile()
         compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(_STEPS.value):
-            state, out = setup.train_step(state, batch)
-        jax.block_until_ready(out)
-        dt = (time.perf_counter() - t0) / _STEPS.value
-        if _PROFILE_DIR.value:
-            _profile_train_step(setup, state, batch)
+        timed = {}
+        if _STEPS.value:  # 0: compile only, for the memory figure
+            timed = _time_train_steps(setup, step, state, batch)
     kind = jax.devices()[0].device_kind
-    perf = flops.throughput_metrics(
-        step_time_s=dt,
-        tokens_per_step=b * s,
-        num_devices=jax.device_count(),
-        flops_per_token=flops.training_flops_per_token(mc, s)["total"],
-        peak=hardware.peak_flops(kind, t.peak_flops_per_device or None),
-    )
-    _emit(
-        {
-            "mode": "train",
-            "device": kind,
-            "devices": jax.device_count(),
-            "layers": mc.num_layers,
-            "experts": mc.num_experts,
-            "hidden": mc.hidden_size,
-            "batch": b,
-            "seq_len": s,
-            "moe_impl": mc.moe_impl,
-            "kernels": mc.kernels.describe(sharding.platform(setup.mesh)),
-            "remat": mc.remat_policy,
-            # LoRA: the adapters' rank and the frozen base's format (0 / None: full FT)
-            "lora_rank": mc.lora.rank if mc.lora else 0,
-            "base_format": setup.frozen.format if setup.frozen else None,
-            "side": "jax",
-            "dtype": mc.dtype,
-            "compile_s": round(compile_s, 1),
-            "loss": float(out["loss"]),
-            "peak_memory_gb": _memory_gb(jax.local_devices()[0]),
-            "peak_rss_gb": peak_rss_gb(),
-            "tokens_per_sec": b * s / dt,
+    record = {
+        "mode": "train",
+        "device": kind,
+        "devices": jax.device_count(),
+        "mesh": {ax: n for ax, n in setup.mesh.shape.items() if n > 1},
+        "layers": mc.num_layers,
+        "experts": mc.num_experts,
+        "hidden": mc.hidden_size,
+        "batch": b,
+        "seq_len": s,
+        "moe_impl": mc.moe_impl,
+        "kernels": mc.kernels.describe(sharding.platform(setup.mesh)),
+        "remat": mc.remat_policy,
+        # LoRA: the adapters' rank and the frozen base's format (0 / None: full FT)
+        "lora_rank": mc.lora.rank if mc.lora else 0,
+        "base_format": setup.frozen.format if setup.frozen else None,
+        "side": "jax",
+        "dtype": mc.dtype,
+        "compile_s": round(compile_s, 1),
+        "compiled_memory_gb": compiled_memory_gb(step),
+    }
+    if timed:
+        dt = timed.pop("step_s")
+        perf = flops.throughput_metrics(
+            step_time_s=dt,
+            tokens_per_step=b * s,
+            num_devices=jax.device_count(),
+            flops_per_token=flops.training_flops_per_token(mc, s)["total"],
+            peak=hardware.peak_flops(kind, t.peak_flops_per_device or None),
+        )
+        record.update(
+            timed,
+            peak_memory_gb=_memory_gb(jax.local_devices()[0]),
+            peak_rss_gb=peak_rss_gb(),
+            tokens_per_sec=b * s / dt,
             **{k.split("/")[-1]: v for k, v in perf.items()},
-        }
-    )
+        )
+    _emit(record)
+
+
+def _time_train_steps(setup, step, state, batch) -> dict:
+    """One warm-up step, then --steps timed ones: the mean step time and the last loss."""
+    state, out = step(state, batch)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(_STEPS.value):
+        state, out = step(state, batch)
+    jax.block_until_ready(out)
+    dt = (time.perf_counter() - t0) / _STEPS.value
+    if _PROFILE_DIR.value:
+        _profile_train_step(setup, state, batch)
+    return {"step_s": dt, "loss": float(out["loss"])}
 
 
 def _profile_train_step(setup, state, batch):

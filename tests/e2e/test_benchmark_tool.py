@@ -42,6 +42,12 @@ def test_train_and_decode_records():
     assert train["step_time_seconds"] > 0 and train["per_device_tokens_per_sec"] > 0
     assert 11 < train["loss"] < 13  # ln(201088) = 12.2 at random init
     assert train["mfu"] is None  # no peak FLOP/s is known for a CPU
+    # XLA's memory of the step, per device: at least the float32 parameters and their two
+    # Adam moments (the 201,088 x 64 embedding and unembedding alone are 98 MiB together)
+    assert 3 * 98 / 1024 < train["compiled_memory_gb"] < 4
+    (compiled,) = run("--mode=train", "--steps=0")  # compile only
+    assert compiled["compiled_memory_gb"] == train["compiled_memory_gb"]
+    assert "step_time_seconds" not in compiled and "loss" not in compiled
     rows = run("--mode=decode", "--batch_sizes=1,2", "--prompt_len=8", "--new_tokens=4")
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)

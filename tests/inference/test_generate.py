@@ -165,17 +165,25 @@ def test_int8_weights_and_kv_cache_drift_is_small(models):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("moe_impl", ["ragged", "sharded"])
-def test_sharded_decode_on_a_tensor_and_expert_mesh(models, moe_impl, tmp_path):
+@pytest.mark.parametrize(
+    "moe_impl,mesh_sizes",
+    [
+        ("ragged", dict(data=1, fsdp=2, tensor=2, expert=2)),
+        ("sharded", dict(data=1, fsdp=2, tensor=2, expert=2)),
+        ("sharded", dict(data=1, fsdp=2, context=2, expert=2)),  # cache slots split
+    ],
+)
+def test_sharded_decode_on_a_tensor_and_expert_mesh(models, moe_impl, mesh_sizes, tmp_path):
     """The same logical rules as training place the weights (heads and the expert hidden
-    dim over `tensor`, experts over `expert`, the rest FSDP) and the cache; generation
-    gives the single-device tokens and log-probabilities (float32: summation order only)."""
+    dim over `tensor`, experts over `expert`, the rest FSDP) and the cache (its slots over
+    `context`); generation gives the single-device tokens and log-probabilities (float32:
+    summation order only)."""
     hf_model, md, params = models
     ref = Generator(md, params, prefill_chunk=16).generate(PROMPTS, max_new_tokens=8, stop_ids=[])
     d = tmp_path / "hf"
     hf_model.save_pretrained(d)
     md_sharded = ModelDef(md.cfg.replace(moe_impl=moe_impl))
-    mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2, expert=2))
+    mesh = sharding.make_mesh(mesh_sizes)
     rules = config_lib.DEFAULT_RULES
     sharded = hf.load_sharded(d, md_sharded.abstract_params(mesh, rules))
     assert sharded["blocks"]["full"]["moe"]["wi_gate"].sharding.spec[1] == "expert"

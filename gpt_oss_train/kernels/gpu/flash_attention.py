@@ -398,7 +398,8 @@ def flash_attention_on_mesh(q, k, v, sinks, positions, segment_ids, window, bloc
     spec = lambda names, a: sharding.fit_spec(sharding.logical_to_spec(names, rules), a.shape, mesh)
     q_spec = spec(("batch", "length", "heads", "head_dim"), q)
     kv_spec = spec(("batch", "length", "kv_heads", "head_dim"), k)
-    if q_spec[1] is not None or q_spec[3] is not None or kv_spec[2] != q_spec[2]:
+    split = lambda entry: sharding.split_axes(entry, mesh)
+    if split(q_spec[1]) or split(q_spec[3]) or kv_spec[2] != q_spec[2]:
         raise ValueError(
             "config.kernels.attention='flash' needs the sequence and head_dim unsharded and query "
             f"and KV heads sharded alike; the rules give q {q_spec}, k {kv_spec}. Use 'blockwise'."

@@ -41,7 +41,8 @@ def accepts(q, k, v, sinks, *, positions, segment_ids, window, block) -> bool:
     if sharding.active() is None:
         return True
     qspec, kspec = _specs(q, k)
-    return qspec[1] is None and qspec[3] is None and kspec[2] == qspec[2]
+    split = lambda entry: sharding.split_axes(entry, sharding.active()[0])
+    return not split(qspec[1]) and not split(qspec[3]) and kspec[2] == qspec[2]
 
 
 def self_attention(q, k, v, sinks, *, positions, segment_ids, window, block):

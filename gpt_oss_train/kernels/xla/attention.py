@@ -62,48 +62,117 @@ def xla_attention(q, k, v, sinks, mask):
     return out.reshape(b, s, n, h).astype(q.dtype)
 
 
-def blockwise_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block):
-    """Self-attention in query blocks. Requires q and k to be the same sequence (s == t),
-    with positions consecutive within a segment, so a banded query at index i can only see
-    keys at indices (i - window, i]."""
+def streamed_attention(q, k, v, sinks, mask_fn, key_block):
+    """`xla_attention` with the keys taken `key_block` at a time (lax.scan, an online
+    softmax: running max, denominator and weighted sum), so no [queries, all keys] logits
+    exist at once, forward or backward (each step is recomputed, only the running sums are
+    kept). mask_fn(start, size) -> [b, s, size]: the mask of keys start..start+size.
+    The sink starts the running sums: max = sink, denominator = e^0 = 1, sum = 0."""
     b, s, n, h = q.shape
-    if s <= block:
-        return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
-    pad = (-s) % block
-    if pad:  # padded queries/keys get position -1: invisible, and their outputs are dropped
-        padq = lambda a, val: jnp.pad(
-            a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=val
-        )
-        q, k, v = padq(q, 0), padq(k, 0), padq(v, 0)
-        q_pos, k_pos = padq(q_pos, -1), padq(k_pos, -1)
-        q_seg, k_seg = padq(q_seg, 0), padq(k_seg, 0)
-    nblocks = q.shape[1] // block
-    if window is not None and window < q.shape[1]:
-        # Keys for block i: indices [i*block - lead, (i+1)*block), lead = window-1 rounded up.
-        lead = -(-(window - 1) // 8) * 8
-        padk = lambda a, val: jnp.pad(
-            a, [(0, 0), (lead, 0)] + [(0, 0)] * (a.ndim - 2), constant_values=val
-        )
-        kk, vv, kp, ks = padk(k, 0), padk(v, 0), padk(k_pos, -1), padk(k_seg, 0)
-        span = lead + block
+    t, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    pad = (-t) % key_block
+    k, v = (_pad_length(a, 0, pad, 0) for a in (k, v))
+    qg = q.reshape(b, s, kh, g, h)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kh, g, 1), (b, kh, g, s))
 
-        def one_block(i):
-            start = i * block
-            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, block, axis=1)
-            kl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, span, axis=1)
-            mask = visibility_mask(sl(q_pos), kl(kp), sl(q_seg), kl(ks), window)
-            return xla_attention(sl(q), kl(kk), kl(vv), sinks, mask)
+    def step(carry, start):
+        m, denom, acc = carry
+        kb = jax.lax.dynamic_slice_in_dim(k, start, key_block, axis=1)
+        vb = jax.lax.dynamic_slice_in_dim(v, start, key_block, axis=1)
+        logits = jnp.einsum("bskgh,btkh->bkgst", qg, kb, preferred_element_type=jnp.float32)
+        logits = logits * (1.0 / math.sqrt(h))
+        logits = jnp.where(mask_fn(start, key_block)[:, None, None], logits, _NEG)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+        p = jnp.exp(logits - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        denom = denom * rescale + jnp.sum(p, axis=-1)
+        pv = jnp.einsum(
+            "bkgst,btkh->bkgsh", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+        )
+        return (m_new, denom, acc * rescale[..., None] + pv), None
+
+    init = (sink, jnp.ones_like(sink), jnp.zeros((b, kh, g, s, h), jnp.float32))
+    starts = jnp.arange(0, t + pad, key_block)
+    (_, denom, acc), _ = jax.lax.scan(jax.checkpoint(step), init, starts)
+    out = acc / denom[..., None]  # [b, kh, g, s, h]
+    return jnp.moveaxis(out, 3, 1).reshape(b, s, n, h).astype(q.dtype)
+
+
+def blockwise_attention(
+    q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, block, lead=0, key_block=None
+):
+    """Attention in query blocks of `block` rows (lax.map, each block checkpointed, so the
+    backward pass keeps no [block, keys] probabilities).
+
+    Banded layers (window shorter than the queries) read only the keys their window can
+    reach: k/v then hold the queries' own keys, preceded by `lead` keys from before the
+    first query (context parallelism: the previous shard's tail), with positions
+    consecutive within a segment, so a query at index i sees keys at indices
+    (i - window, i] only. Otherwise every query block reads every key, and k/v may be any
+    keys (a context shard's queries over the gathered sequence); with `key_block`, more
+    keys than that are streamed (`streamed_attention`), so memory stays
+    O(block * key_block) however long the sequence."""
+    b, s, n, h = q.shape
+    if s <= block and (key_block is None or k.shape[1] <= key_block):
+        return xla_attention(q, k, v, sinks, visibility_mask(q_pos, k_pos, q_seg, k_seg, window))
+    block = min(block, s)
+    pad = (-s) % block
+    # Padded queries get position -1 (they see no key) and their outputs are dropped.
+    q, q_pos, q_seg = (
+        _pad_length(a, 0, pad, fill) for a, fill in ((q, 0), (q_pos, -1), (q_seg, 0))
+    )
+    nblocks = q.shape[1] // block
+    if window is not None and window < s:
+        # Keys for block i: indices [i*block - span_lead, (i+1)*block) of the queries'
+        # own, span_lead = window-1 rounded up; missing ones are padding (position -1).
+        span_lead = -(-(window - 1) // 8) * 8
+        front, back = span_lead - lead, nblocks * block - s
+        k, v, k_pos, k_seg = (
+            _pad_length(a, front, back, fill)
+            for a, fill in ((k, 0), (v, 0), (k_pos, -1), (k_seg, 0))
+        )
+        span = span_lead + block
+
+        def keys_of(i):
+            kl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, span, axis=1)
+            return kl(k), kl(v), kl(k_pos), kl(k_seg)
     else:
 
-        def one_block(i):
-            sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
-            mask = visibility_mask(sl(q_pos), k_pos, sl(q_seg), k_seg, window)
-            return xla_attention(sl(q), k, v, sinks, mask)
+        def keys_of(i):
+            return k, v, k_pos, k_seg
 
-    # Checkpoint each block so the backward pass keeps no [block, keys] probabilities.
+    def one_block(i):
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
+        kk, vv, kp, ks = keys_of(i)
+        if key_block is not None and kk.shape[1] > key_block:
+            qp, qs = sl(q_pos), sl(q_seg)
+            kp, ks = (
+                _pad_length(kp, 0, (-kp.shape[1]) % key_block, -1),
+                _pad_length(ks, 0, (-ks.shape[1]) % key_block, 0),
+            )
+            piece = lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, key_block, axis=1)
+            mask_fn = lambda start, _: visibility_mask(
+                qp, piece(kp, start), qs, piece(ks, start), window
+            )
+            return streamed_attention(sl(q), kk, vv, sinks, mask_fn, key_block)
+        return xla_attention(
+            sl(q), kk, vv, sinks, visibility_mask(sl(q_pos), kp, sl(q_seg), ks, window)
+        )
+
     outs = jax.lax.map(jax.checkpoint(one_block), jnp.arange(nblocks))  # [nb, b, blk, n, h]
     out = jnp.moveaxis(outs, 0, 1).reshape(b, nblocks * block, n, h)
     return out[:, :s]
+
+
+def _pad_length(a, before: int, after: int, value):
+    """`a` [b, s, ...] with `before` entries of `value` put in front of its length axis
+    and `after` behind it (a negative `before` drops that many from the front)."""
+    if before < 0:
+        a, before = a[:, -before:], 0
+    if not (before or after):
+        return a
+    return jnp.pad(a, [(0, 0), (before, after)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
 
 
 def self_attention(q, k, v, sinks, *, positions, segment_ids, window, block):

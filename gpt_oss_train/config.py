@@ -29,7 +29,7 @@ from gpt_oss_train import runtime as runtime_lib
 from gpt_oss_train.architecture import LORA_TARGETS, PRESETS
 from gpt_oss_train.errors import ConfigError
 from gpt_oss_train.kernels import Kernels, registry
-from gpt_oss_train.kernels.xla import context_parallel
+from gpt_oss_train.kernels.xla import attention as xla_attention
 from gpt_oss_train.sharding import MESH_AXES
 
 # Logical axis names used by the model, and the mesh axes they shard over by default.
@@ -450,7 +450,7 @@ def _validate_context(config: ml_collections.ConfigDict):
         "mesh.context",
         f"{ways} pieces do not divide train.seq_len={seq_len}; make it a multiple",
     )
-    reach = context_parallel.lead_keys(config.model.sliding_window)
+    reach = xla_attention.lead_keys(config.model.sliding_window)
     _check(
         seq_len // ways >= reach,
         "mesh.context",

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.kernels.xla import attention, context_parallel
+from gpt_oss_train.kernels.xla import attention
 from gpt_oss_train.model.transformer import ModelDef
 from gpt_oss_train.training import objectives
 
@@ -124,7 +124,7 @@ def test_banded_layers_move_only_the_previous_shards_last_keys():
         hlo = grad.lower(params).compile().as_text()
     permutes = re.findall(r"= ([a-z0-9]+)\[([0-9,]*)\][^=]*? collective-permute(?:-start)?\(", hlo)
     assert permutes, "no collective permute: the banded layers' neighbour exchange is missing"
-    lead = context_parallel.lead_keys(WINDOW)
+    lead = attention.lead_keys(WINDOW)
     local = S // 4
     for _dtype, dims in permutes:
         shape = tuple(int(d) for d in dims.split(",") if d)

@@ -62,17 +62,18 @@ def xla_attention(q, k, v, sinks, mask):
     return out.reshape(b, s, n, h).astype(q.dtype)
 
 
-def streamed_attention(q, k, v, sinks, mask_fn, key_block):
+def streamed_attention(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, window, key_block):
     """`xla_attention` with the keys taken `key_block` at a time (lax.scan, an online
     softmax: running max, denominator and weighted sum), so no [queries, all keys] logits
     exist at once, forward or backward (each step is recomputed, only the running sums are
-    kept). mask_fn(start, size) -> [b, s, size]: the mask of keys start..start+size.
-    The sink starts the running sums: max = sink, denominator = e^0 = 1, sum = 0."""
+    kept). The sink starts the running sums: max = sink, denominator = e^0 = 1, sum = 0."""
     b, s, n, h = q.shape
     t, kh = k.shape[1], k.shape[2]
     g = n // kh
-    pad = (-t) % key_block
-    k, v = (_pad_length(a, 0, pad, 0) for a in (k, v))
+    pad = (-t) % key_block  # none where the caller padded the keys once for every block
+    k, v, k_pos, k_seg = (
+        _pad_length(a, 0, pad, fill) for a, fill in ((k, 0), (v, 0), (k_pos, -1), (k_seg, 0))
+    )
     qg = q.reshape(b, s, kh, g, h)
     sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kh, g, 1), (b, kh, g, s))
 
@@ -80,9 +81,11 @@ def streamed_attention(q, k, v, sinks, mask_fn, key_block):
         m, denom, acc = carry
         kb = jax.lax.dynamic_slice_in_dim(k, start, key_block, axis=1)
         vb = jax.lax.dynamic_slice_in_dim(v, start, key_block, axis=1)
+        kp, ks = (jax.lax.dynamic_slice_in_dim(a, start, key_block, axis=1) for a in (k_pos, k_seg))
         logits = jnp.einsum("bskgh,btkh->bkgst", qg, kb, preferred_element_type=jnp.float32)
         logits = logits * (1.0 / math.sqrt(h))
-        logits = jnp.where(mask_fn(start, key_block)[:, None, None], logits, _NEG)
+        mask = visibility_mask(q_pos, kp, q_seg, ks, window)
+        logits = jnp.where(mask[:, None, None], logits, _NEG)
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         p = jnp.exp(logits - m_new[..., None])
         rescale = jnp.exp(m - m_new)
@@ -97,6 +100,12 @@ def streamed_attention(q, k, v, sinks, mask_fn, key_block):
     (_, denom, acc), _ = jax.lax.scan(jax.checkpoint(step), init, starts)
     out = acc / denom[..., None]  # [b, kh, g, s, h]
     return jnp.moveaxis(out, 3, 1).reshape(b, s, n, h).astype(q.dtype)
+
+
+def lead_keys(window: int) -> int:
+    """How many keys before a query block a banded layer reads: window-1, rounded up to 8
+    (also what a context shard takes from the previous one)."""
+    return -(-(window - 1) // 8) * 8
 
 
 def blockwise_attention(
@@ -126,7 +135,7 @@ def blockwise_attention(
     if window is not None and window < s:
         # Keys for block i: indices [i*block - span_lead, (i+1)*block) of the queries'
         # own, span_lead = window-1 rounded up; missing ones are padding (position -1).
-        span_lead = -(-(window - 1) // 8) * 8
+        span_lead = lead_keys(window)
         front, back = span_lead - lead, nblocks * block - s
         k, v, k_pos, k_seg = (
             _pad_length(a, front, back, fill)
@@ -138,6 +147,13 @@ def blockwise_attention(
             kl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, span, axis=1)
             return kl(k), kl(v), kl(k_pos), kl(k_seg)
     else:
+        if key_block is not None and k.shape[1] > key_block:
+            # Padded once here for every query block's streamed pass.
+            back = (-k.shape[1]) % key_block
+            k, v, k_pos, k_seg = (
+                _pad_length(a, 0, back, fill)
+                for a, fill in ((k, 0), (v, 0), (k_pos, -1), (k_seg, 0))
+            )
 
         def keys_of(i):
             return k, v, k_pos, k_seg
@@ -146,16 +162,9 @@ def blockwise_attention(
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * block, block, axis=1)
         kk, vv, kp, ks = keys_of(i)
         if key_block is not None and kk.shape[1] > key_block:
-            qp, qs = sl(q_pos), sl(q_seg)
-            kp, ks = (
-                _pad_length(kp, 0, (-kp.shape[1]) % key_block, -1),
-                _pad_length(ks, 0, (-ks.shape[1]) % key_block, 0),
+            return streamed_attention(
+                sl(q), kk, vv, sinks, sl(q_pos), kp, sl(q_seg), ks, window, key_block
             )
-            piece = lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, key_block, axis=1)
-            mask_fn = lambda start, _: visibility_mask(
-                qp, piece(kp, start), qs, piece(ks, start), window
-            )
-            return streamed_attention(sl(q), kk, vv, sinks, mask_fn, key_block)
         return xla_attention(
             sl(q), kk, vv, sinks, visibility_mask(sl(q_pos), kp, sl(q_seg), ks, window)
         )

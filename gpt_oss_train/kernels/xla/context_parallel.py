@@ -54,15 +54,9 @@ def length_axes(seq_len: int, window: int | None) -> tuple[str, ...]:
     spec = sharding.fit_spec(sharding.logical_to_spec(("length",), rules), (seq_len,), mesh)
     axes = sharding.split_axes(spec[0], mesh)
     pieces = math.prod(mesh.shape[a] for a in axes)
-    if window is not None and seq_len // pieces < lead_keys(window):
+    if window is not None and seq_len // pieces < xla_attention.lead_keys(window):
         return ()
     return axes
-
-
-def lead_keys(window: int) -> int:
-    """How many keys before its first query a device's banded layer needs: window-1,
-    rounded up to 8 (the blockwise attention's key span)."""
-    return -(-(window - 1) // 8) * 8
 
 
 def attention(q, k, v, sinks, *, positions, segment_ids, window, block):
@@ -88,7 +82,7 @@ def attention(q, k, v, sinks, *, positions, segment_ids, window, block):
             return xla_attention.blockwise_attention(
                 q, k, v, sinks, pos, k_pos, seg, k_seg, None, block, key_block=KEY_BLOCK
             )
-        lead = lead_keys(window)  # at most the piece's length (length_axes)
+        lead = xla_attention.lead_keys(window)  # at most the piece's length (length_axes)
         n = sharding.axes_size(axes)
         first = sharding.axes_index(axes) == 0
         # Shard i sends its last `lead` keys to shard i+1; the first receives zeros,

@@ -43,7 +43,10 @@ DEFAULT_RULES = (
     ("moe_batch", ("data", "fsdp")),
     ("length", "context"),  # a no-op at mesh.context=1
     ("act_embed", None),
-    ("embed", "fsdp"),
+    # Weights split over context as over fsdp (MaxText does the same): a layer's weights
+    # are gathered for its step either way, and a long-context mesh (context 4-16) would
+    # otherwise hold a whole copy of them on every context shard.
+    ("embed", ("fsdp", "context")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

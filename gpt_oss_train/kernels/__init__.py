@@ -74,11 +74,14 @@ class Kernels:
         """Self-attention over whole sequences (training, prefill): q [b, s, n, h], k/v
         [b, s, kh, h], sinks [n], positions and segment ids [b, s] (0: padding); `window`
         None for full causal layers; `block`: the blockwise variant's query block. Where the
-        rules split the sequence over devices (mesh.context > 1), the XLA context-parallel
-        attention runs whatever the choice (kernels/xla/context_parallel.py)."""
+        rules split the sequence over devices (mesh.context > 1), context parallelism runs
+        (kernels/xla/context_parallel.py), each shard the chosen kernel's split kernel
+        (splash's) where it has one, else the XLA one."""
         if axes := context_parallel.length_axes(q.shape[1], window):
+            local = self._split_attention()
             _log_once(
-                f"kernels: attention over sequences split on {axes} takes xla's context parallel"
+                f"kernels: attention over sequences split on {axes}: context parallel, "
+                f"each shard by {local.__module__.rsplit('.', 1)[1] if local else 'xla'}"
             )
             return context_parallel.attention(
                 q,
@@ -89,6 +92,7 @@ class Kernels:
                 segment_ids=segment_ids,
                 window=window,
                 block=block,
+                local=local or context_parallel.blockwise,
             )
         return self._run(
             "attention",
@@ -101,6 +105,14 @@ class Kernels:
             window=window,
             block=block,
         )
+
+    def _split_attention(self):
+        """The chosen attention's per-shard kernel for split sequences, or None. Only one
+        that has such a kernel is resolved: resolving a CPU kernel builds it."""
+        platform = sharding.platform()
+        if registry.chosen("attention", self.choice("attention"), platform).context_parallel:
+            return self.impl("attention", platform).split_kernel()
+        return None
 
     def cache_attention(self, q, cache, layer, sinks, *, positions, window):
         """q [b, s, n, h] at `positions` over layer `layer` of the stacked KV cache, whose
@@ -139,6 +151,19 @@ class Kernels:
             if impl.takes(x, weights, idx, w, **kw):
                 return impl.call(x, weights, idx, w, **kw)
         return None
+
+    def moe_decode_per_shard(self, x, weights, idx, w, *, limit, alpha, dtype):
+        """`moe_decode` inside the expert-parallel shard_map, on one shard's rows and local
+        experts: the chosen implementation where the registry says it runs there
+        (Impl.per_shard) and it takes these operands; else None (grouped matmuls run).
+        Only such an implementation is resolved: resolving a CPU kernel builds it."""
+        platform = sharding.platform()
+        if not registry.chosen("moe_decode", self.choice("moe_decode"), platform).per_shard:
+            return None
+        impl, kw = self.impl("moe_decode", platform), dict(limit=limit, alpha=alpha, dtype=dtype)
+        if not impl.takes(x, weights, idx, w, **kw):
+            return None
+        return impl.call(x, weights, idx, w, **kw)
 
     def expert_parallel(
         self,

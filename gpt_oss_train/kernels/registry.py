@@ -50,6 +50,14 @@ class Impl:
     # "module:function", (dtype, stack) -> bool: whether the model should hand this weight
     # stack to the implementation as layer views it reads in place (arrays/layer_views.py)
     reads_in_place: str | None = None
+    # attention: "module:function", the per-shard kernel of a sequence the rules split
+    # (`local` of kernels/xla/context_parallel.py); None: the XLA one runs there
+    context_parallel: str | None = None
+    # moe_decode: also runs inside the expert-parallel shard_map (the `sharded` MoE's local
+    # experts, kernels/xla/expert_parallel.py), on one shard's rows sorted by local expert.
+    # Set where that was built and checked for: the TPU kernel, for the serving configs;
+    # the CPU and GPU kernels are not measured there (their platforms' grouped matmuls run)
+    per_shard: bool = False
 
     def call(self, *args, **kwargs):
         return _load(self.fn)(*args, **kwargs)
@@ -59,6 +67,9 @@ class Impl:
 
     def why_unavailable(self, platform: str) -> str | None:
         return None if self.unavailable is None else _load(self.unavailable)(platform)
+
+    def split_kernel(self) -> Callable | None:
+        return None if self.context_parallel is None else _load(self.context_parallel)
 
     def reads_stack(self, dtype, stack) -> bool:
         return self.reads_in_place is not None and bool(_load(self.reads_in_place)(dtype, stack))
@@ -109,7 +120,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
         Impl("flash", GPU, "gpu.flash_attention:self_attention",
              unavailable="gpu.flash_attention:unavailable"),
         Impl("splash", TPU, "tpu.splash_attention:self_attention",
-             "tpu.splash_attention:accepts")),
+             "tpu.splash_attention:accepts",
+             context_parallel="tpu.splash_attention:context_parallel")),
        (("cpu", "cpu"), ("tpu", "splash"))),
     Op("cache_attention",
        "a step's queries over one layer of the stacked KV cache (decode, prefill chunks)",
@@ -138,7 +150,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
         _cpu("moe_decode", "moe_decode"),
         Impl("pallas_gpu", GPU, "gpu.moe_decode:moe_decode", "gpu.moe_decode:accepts",
              "gpu.moe_decode:unavailable"),
-        Impl("pallas_tpu", TPU, "tpu.mxfp4_experts:moe_decode", "tpu.mxfp4_experts:accepts")),
+        Impl("pallas_tpu", TPU, "tpu.mxfp4_experts:moe_decode", "tpu.mxfp4_experts:accepts",
+             per_shard=True)),
        (("cpu", "cpu"),)),
     Op("expert_parallel",
        "tokens to the shards of their experts and back (inside shard_map), fwd + bwd",

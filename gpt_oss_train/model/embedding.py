@@ -13,6 +13,9 @@ embed slices for batch rows:
     take from the local table slice [vocab, d/n]        -> [b, s, d/n]
     --all-to-all (batch rows <-> embed slices)-->          [b/n, s, d]
 
+With context parallelism the table is split over `context` too (the `embed` rule), and
+the sequence pieces trade places with those embed slices the same way, along `s`.
+
 The backward pass is the same in reverse: an all-to-all, then a local scatter-add into
 the [vocab, d/n] slice. A vocabulary split (the `vocab` rule) is looked up per slice
 and summed; when the embed axes do not shard the batch (a decode batch too small to
@@ -41,25 +44,28 @@ def lookup(table_vd, tokens_bs, dtype):
     t_spec = sharding.fit_spec(
         sharding.logical_to_spec(("vocab", "embed"), rules), table_vd.shape, mesh
     )
-    tok_axes, vocab_axes, embed_axes = (
-        sharding.spec_axes(tok[0]),
-        sharding.spec_axes(t_spec[0]),
-        sharding.spec_axes(t_spec[1]),
-    )
-    exchange = all(a in tok_axes for a in embed_axes)  # embed slices <-> batch rows
-    if embed_axes and not exchange and any(a in tok_axes for a in embed_axes):
-        # Embed split over batch and non-batch axes at once: leave it to the partitioner.
+    # Only axes of more than one device decide the plan: a size-1 axis in a rule (the
+    # `context` of `embed`'s default at mesh.context=1) splits nothing.
+    split = lambda entry: sharding.split_axes(entry, mesh)
+    row_axes, len_axes = split(tok[0]), split(tok[1])
+    vocab_axes, embed_axes = split(t_spec[0]), split(t_spec[1])
+    # The embed slices trade places with token rows (axes that split the batch) and with
+    # sequence pieces (context parallelism), the rows' axes first as the rule lists them.
+    row_embed = tuple(a for a in embed_axes if a in row_axes)
+    len_embed = tuple(a for a in embed_axes if a in len_axes)
+    exchange = bool(embed_axes) and embed_axes == row_embed + len_embed
+    if embed_axes and not exchange and set(embed_axes) & set(row_axes + len_axes):
+        # Embed split over token and other axes at once: leave it to the partitioner.
         return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
-    if set(sharding.spec_axes(tok[1])) & set(vocab_axes + embed_axes):
-        # The sequence split over the table's axes (context parallelism sharing them).
-        return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
-    if any(a in tok_axes for a in vocab_axes):
-        # A vocabulary split along batch axes would need every device's tokens.
+    if set(vocab_axes) & set(row_axes + len_axes):
+        # A vocabulary split along the tokens' axes would need every device's tokens.
         return jnp.take(table_vd, tokens_bs, axis=0).astype(dtype)
 
     def local(table, tokens):
-        if exchange and embed_axes:
-            tokens = jax.lax.all_gather(tokens, embed_axes, axis=0, tiled=True)
+        if exchange:  # every device sharing this embed slice: their tokens
+            for axes, dim in ((row_embed, 0), (len_embed, 1)):
+                if axes:
+                    tokens = jax.lax.all_gather(tokens, axes, axis=dim, tiled=True)
         if vocab_axes:
             v_local = table.shape[0]
             idx = tokens - sharding.axes_index(vocab_axes) * v_local
@@ -71,8 +77,11 @@ def lookup(table_vd, tokens_bs, dtype):
         x = x.astype(dtype)
         if not embed_axes:
             return x
-        if exchange:
-            return jax.lax.all_to_all(x, embed_axes, split_axis=0, concat_axis=2, tiled=True)
+        if exchange:  # the sequence's axes were gathered last, so go back first
+            for axes, dim in ((len_embed, 1), (row_embed, 0)):
+                if axes:
+                    x = jax.lax.all_to_all(x, axes, split_axis=dim, concat_axis=2, tiled=True)
+            return x
         # Tokens replicated over the embed axes (a decode batch too small to split, say):
         # place this slice in a zero row and sum, so every device holds the whole row.
         d_local = x.shape[2]
@@ -82,5 +91,9 @@ def lookup(table_vd, tokens_bs, dtype):
         )
         return jax.lax.psum(full, embed_axes)
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(t_spec, tok), out_specs=jax.P(*tok, None))
+    # check_vma off: the plan leaves out size-1 axes, along which every value is trivially
+    # the same, and which the varying-axes check would otherwise want reduced.
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(t_spec, tok), out_specs=jax.P(*tok, None), check_vma=False
+    )
     return fn(table_vd, tokens_bs)

@@ -16,7 +16,9 @@ inside them are the kernel registry's operations (`grouped_matmul`, `gated_activ
            device holds E/expert experts (and a slice of the hidden dim over `tensor`) and
            computes the pairs routed to its experts; the `expert_parallel` op moves tokens
            to them and back (all-gather, or all-to-all of only the pairs each shard takes)
-           and the partial outputs are summed over tensor.
+           and the partial outputs are summed over tensor. A shard's decode-sized rows
+           take `moe_decode` instead where the chosen kernel runs per shard (the TPU's
+           MXFP4 kernel: the experts read packed, not decoded to bfloat16 in HBM).
 """
 
 from __future__ import annotations
@@ -277,7 +279,10 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
     out_bias = jnp.where(add_bias, lw.bo, jnp.zeros((), lw.bo.dtype))
 
     def experts(rows, key, group_sizes):
-        return _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
+        y = _decode_local_rows(kernels, rows, key, lw, **ffn)
+        if y is None:
+            y = _grouped_ffn(kernels, rows, key, group_sizes, lw, add_out_bias=False, **ffn)
+        return y
 
     return kernels.expert_parallel(
         experts,
@@ -290,6 +295,26 @@ def _local_experts(kernels, x, wts, idx, lw, *, axes, local_e, ffn, gathers, cap
         mlp_axes=mlp_axes,
         out_bias=out_bias,
         capacity_factor=capacity_factor,
+    )
+
+
+def _decode_local_rows(kernels, rows, key, w: ExpertWeights, *, limit, alpha, dtype):
+    """A shard's rows [R, d] through its local experts by the `moe_decode` op, where the
+    chosen kernel runs per shard and takes them (Kernels.moe_decode_per_shard); else None.
+    Each row is one pair of weight 1 with its expert `key` (expert_parallel's; the local
+    experts' count on the receive buffer's padding rows, which weigh 0 and take the
+    highest real row's expert, so they fetch no other). Without the output bias:
+    expert_parallel adds it, once over the tensor shards."""
+    real = key < w.bo.shape[0]
+    expert = jnp.where(real, key, jnp.max(jnp.where(real, key, 0)))
+    return kernels.moe_decode_per_shard(
+        rows,
+        real.astype(jnp.float32)[:, None],
+        expert[:, None],
+        w._replace(bo=jnp.zeros_like(w.bo)),
+        limit=limit,
+        alpha=alpha,
+        dtype=dtype,
     )
 
 

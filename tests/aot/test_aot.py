@@ -69,7 +69,7 @@ def test_compiles_for_a_tpu_slice_and_reports_memory(tmp_path):
     proc, r = _run(tmp_path, "--hbm_gib=0.01", "--top_buffers=5")
     assert r is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert r["devices"] == 4 and r["device_kind"] == "TPU v5 lite", r
-    assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 2}, r
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "tensor": 1, "expert": 2}, r
     assert r["error"] is None, r["error"]
     # (No temp_bytes check: libtpu 0.0.42.1 keeps this tiny step's temporaries on chip,
     # in VMEM, so its HBM temporaries are 0.)
@@ -124,7 +124,7 @@ print(sorted({d.slice_index for d in mesh.devices[0].flat}),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     shape, slices = proc.stdout.strip().splitlines()[-2:]
-    assert shape == "{'data': 2, 'fsdp': 8, 'tensor': 1, 'expert': 2}", proc.stdout
+    assert shape == "{'data': 2, 'fsdp': 8, 'context': 1, 'tensor': 1, 'expert': 2}", proc.stdout
     assert slices == "[0] [1]", proc.stdout
 
 

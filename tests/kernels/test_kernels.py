@@ -49,7 +49,8 @@ def test_every_kernel_module_is_in_the_registry():
     (importing every entry's module loads them all)."""
     for op in registry.OPS.values():
         for impl in op.impls:
-            for path in filter(None, (impl.fn, impl.accepts, impl.unavailable)):
+            paths = (impl.fn, impl.accepts, impl.unavailable, impl.context_parallel)
+            for path in filter(None, paths):
                 registry._load(path)
     wanted = [f"gpt_oss_train.kernels.cpu.{name}" for name in SOURCES] + [
         f"gpt_oss_train.kernels.gpu.{name}"

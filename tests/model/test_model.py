@@ -269,11 +269,13 @@ def test_params_are_born_sharded_by_logical_rules():
     mesh = sharding.make_mesh(dict(data=1, fsdp=2, tensor=2, expert=2))
     params = md.init(0, mesh, config_lib.DEFAULT_RULES)
     wi = params["blocks"]["full"]["moe"]["wi_gate"]  # [layers, exp, embed, mlp]
-    assert wi.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
+    # `embed` over fsdp and context (size 1 here): weights split over context as over fsdp
+    fsdp = ("fsdp", "context")
+    assert wi.sharding.spec == jax.sharding.PartitionSpec(None, "expert", fsdp, "tensor")
     # each device holds 1/8 of it: no full host copy
     assert wi.addressable_shards[0].data.size == wi.size // 8
     emb = params["embed"]["embedding"]  # [vocab, embed]
-    assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert emb.sharding.spec == jax.sharding.PartitionSpec("tensor", fsdp)
     # same numbers as an unsharded init
     ref = md.init(0)
     np.testing.assert_array_equal(

@@ -5,17 +5,37 @@ Causal by index within the sequence plus segment ids: valid for training and pre
 whole sequences, where positions equal indices within each segment. A Mosaic kernel
 cannot be partitioned by XLA, so under a mesh it runs in `shard_map` over the batch and
 head axes of the logical rules (each device: its rows, its heads, the whole sequence);
-rules that shard the sequence or head_dim, or query and KV heads differently, and
-sequences that are not whole 128-position blocks, leave the XLA reference in its place
-(`accepts`).
+rules that shard head_dim, or query and KV heads differently, and sequences that are not
+whole 128-position blocks, leave the XLA reference in its place (`accepts`).
+
+A sequence the rules split (context parallelism) comes to `context_parallel` instead
+(the kernels' dispatch, kernels/__init__.py): kernels/xla/context_parallel.py moves the
+keys between the shards, and each shard runs splash on its own queries, whole blocks of
+them (else the XLA blockwise attention runs there):
+
+  full layers    over the gathered sequence: one kernel for the whole (S, S) causal mask
+                 made for `q_seq_shards` = the shards, whose block tables (the mask info)
+                 enter the shard_map split along the query sequence
+                 (`manual_sharding_spec`), so each shard reads its own rows' tables and
+                 its queries' global indices.
+  banded layers  over the previous shard's tail and its own keys: a LocalMask whose
+                 offset puts query i at key i + lead (the tail's length).
+
+Splash skips the blocks the causal order hides, so a full layer's first shard has fewer
+blocks to compute than its last, which the others wait for; a zig-zag order of the pieces
+would even them out.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gpt_oss_train import sharding
@@ -31,6 +51,13 @@ def _specs(q, k):
 
 # The kernel's query and key blocks (splash's defaults): a sequence must be whole blocks.
 BLOCK = 128
+# A split full layer's kernel covers the whole sequence's causal mask, whose block tables
+# splash builds in Python, one block at a time: 72 s for 131,072 positions in blocks of
+# 512 on a 2-core Xeon. So that layer takes the largest of these blocks its shards divide
+# into, and sequences whose grid would exceed MAX_FULL_GRID blocks (past 262,144
+# positions) keep the XLA blockwise attention.
+FULL_BLOCKS = (512, 256, BLOCK)
+MAX_FULL_GRID = 512 * 512
 
 
 def accepts(q, k, v, sinks, *, positions, segment_ids, window, block) -> bool:
@@ -46,7 +73,6 @@ def accepts(q, k, v, sinks, *, positions, segment_ids, window, block) -> bool:
 
 
 def self_attention(q, k, v, sinks, *, positions, segment_ids, window, block):
-    sinks = sinks.astype(jnp.float32)
     if sharding.active() is None:
         return _splash_local(q, k, v, segment_ids, sinks, window)
     mesh, _ = sharding.active()
@@ -62,29 +88,100 @@ def self_attention(q, k, v, sinks, *, positions, segment_ids, window, block):
 
 
 def _splash_local(q, k, v, q_seg, sinks, window):
-    # lazy: optional dependency (Pallas TPU)
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as sk,
-    )
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_mask as sm,
-    )
-
-    b, s, n, h = q.shape
-    kh = k.shape[2]
+    s = q.shape[1]
+    _, sm = _lib()
     mask = sm.CausalMask((s, s))
     if window is not None:  # the last `window` keys, the query's own included
         mask = sm.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
-    kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * n), head_shards=1, q_seq_shards=1)
-    scale = 1.0 / math.sqrt(h)
+    return _run(_kernel(mask, q.shape[2]), q, k, v, q_seg, q_seg, sinks)
 
-    def one(qb, kb, vb, segb):
+
+def context_parallel(split):
+    """The per-shard kernel of a sequence split over `split.axes` (context_parallel.Split):
+    (run, extra operands with their shard_map specs), or None where the shard's queries are
+    not whole blocks or a full layer's grid is too large (MAX_FULL_GRID): the XLA
+    blockwise attention then runs."""
+    if split.shard_len % BLOCK:
+        return None
+    _, sm = _lib()
+    if split.window is None:
+        block = next(b for b in FULL_BLOCKS if split.shard_len % b == 0)
+        if (split.seq_len // block) ** 2 > MAX_FULL_GRID:
+            return None
+        whole = (split.seq_len, split.seq_len)
+        kernel = _kernel(sm.CausalMask(whole), split.heads, split.seq_len // split.shard_len, block)
+        rows = NamedSharding(split.mesh, P(None, sharding.spec_entry(split.axes)))
+        return _full, ((kernel, kernel.manual_sharding_spec(rows)),)
+    # Keys in whole blocks: padding (segment 0) in front of the tail where it is short.
+    front = -(split.lead + split.shard_len) % BLOCK
+    keys = front + split.lead + split.shard_len
+    band = sm.LocalMask(
+        (split.shard_len, keys), window_size=(split.window - 1, 0), offset=front + split.lead
+    )
+    return functools.partial(_banded, _kernel(band, split.heads), front), ()
+
+
+def _full(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, kernel):
+    """This shard's queries over the gathered sequence; `kernel` holds its rows' tables."""
+    return _run(kernel, q, k, v, q_seg, k_seg, sinks)
+
+
+def _banded(kernel, front, q, k, v, sinks, q_pos, k_pos, q_seg, k_seg):
+    """This shard's queries over the previous shard's tail and its own keys."""
+    pad = lambda a: jnp.pad(a, [(0, 0), (front, 0)] + [(0, 0)] * (a.ndim - 2))
+    return _run(kernel, q, pad(k), pad(v), q_seg, pad(k_seg), sinks)
+
+
+def _lib():
+    """splash's kernel and mask modules."""
+    # lazy: optional dependency (Pallas TPU)
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel,
+        splash_attention_mask,
+    )
+
+    return splash_attention_kernel, splash_attention_mask
+
+
+def _kernel(mask, heads, q_seq_shards=1, block=None):
+    """The kernel for `mask` on every head, in blocks of `block` (None: splash's default,
+    128). Off a TPU (tests on a CPU) it runs in Pallas' interpreter."""
+    return _make_kernel(mask, heads, q_seq_shards, block, sharding.platform() != "tpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _make_kernel(mask, heads, q_seq_shards, block, interpret):
+    # Cached: the block tables are built in Python, a loop over every block of the mask.
+    sk, sm = _lib()
+    sizes = None if block is None else sk.BlockSizes(*(block,) * 8)
+    make = functools.partial(
+        sk.make_splash_mha,
+        sm.MultiHeadMask([mask] * heads),
+        head_shards=1,
+        q_seq_shards=q_seq_shards,
+        block_sizes=sizes,
+        interpret=interpret,
+    )
+    # Made in a thread of its own, which inherits neither the trace that first asks (a
+    # cached kernel must not hold one trace's values) nor its mesh (whose devices may be
+    # a TPU slice's compile-only descriptions), and kept as numpy: constants of any program.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return jax.tree.map(np.asarray, pool.submit(make).result())
+
+
+def _run(kernel, q, k, v, q_seg, k_seg, sinks):
+    """q [b, s, n, h] over k/v [b, t, kh, h] with segment ids [b, s] / [b, t] -> [b, s, n, h]."""
+    sk, _ = _lib()
+    n, kh = q.shape[2], k.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[3])
+
+    def one(qb, kb, vb, q_segb, k_segb):
         # [heads, s, h] per batch row; GQA: each KV head serves n // kh query heads.
         kb = jnp.repeat(kb, n // kh, axis=0)
         vb = jnp.repeat(vb, n // kh, axis=0)
-        return kernel(qb * scale, kb, vb, segment_ids=sk.SegmentIds(q=segb, kv=segb), sinks=sinks)
+        seg = sk.SegmentIds(q=q_segb, kv=k_segb)
+        return kernel(qb * scale, kb, vb, segment_ids=seg, sinks=sinks.astype(jnp.float32))
 
-    out = jax.vmap(one)(
-        q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_seg
-    )
-    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+    heads_first = lambda a: a.transpose(0, 2, 1, 3)
+    out = jax.vmap(one)(heads_first(q), heads_first(k), heads_first(v), q_seg, k_seg)
+    return heads_first(out).astype(q.dtype)

@@ -93,7 +93,7 @@ def _splash_local(q, k, v, q_seg, sinks, window):
     mask = sm.CausalMask((s, s))
     if window is not None:  # the last `window` keys, the query's own included
         mask = sm.LocalMask((s, s), window_size=(window - 1, 0), offset=0)
-    return _run(_kernel(mask, q.shape[2]), q, k, v, q_seg, q_seg, sinks)
+    return _run(_kernel(mask, q.shape[2] // k.shape[2]), q, k, v, q_seg, q_seg, sinks)
 
 
 def context_parallel(split):
@@ -109,7 +109,7 @@ def context_parallel(split):
         if (split.seq_len // block) ** 2 > MAX_FULL_GRID:
             return None
         whole = (split.seq_len, split.seq_len)
-        kernel = _kernel(sm.CausalMask(whole), split.heads, split.seq_len // split.shard_len, block)
+        kernel = _kernel(sm.CausalMask(whole), split.group, split.seq_len // split.shard_len, block)
         rows = NamedSharding(split.mesh, P(None, sharding.spec_entry(split.axes)))
         return _full, ((kernel, kernel.manual_sharding_spec(rows)),)
     # Keys in whole blocks: padding (segment 0) in front of the tail where it is short.
@@ -118,7 +118,7 @@ def context_parallel(split):
     band = sm.LocalMask(
         (split.shard_len, keys), window_size=(split.window - 1, 0), offset=front + split.lead
     )
-    return functools.partial(_banded, _kernel(band, split.heads), front), ()
+    return functools.partial(_banded, _kernel(band, split.group), front), ()
 
 
 def _full(q, k, v, sinks, q_pos, k_pos, q_seg, k_seg, kernel):
@@ -143,20 +143,21 @@ def _lib():
     return splash_attention_kernel, splash_attention_mask
 
 
-def _kernel(mask, heads, q_seq_shards=1, block=None):
-    """The kernel for `mask` on every head, in blocks of `block` (None: splash's default,
+def _kernel(mask, group, q_seq_shards=1, block=None):
+    """The kernel for `mask` on the `group` query heads of one KV head (splash's MQA form,
+    which `_run` maps over the KV heads), in blocks of `block` (None: splash's default,
     128). Off a TPU (tests on a CPU) it runs in Pallas' interpreter."""
-    return _make_kernel(mask, heads, q_seq_shards, block, sharding.platform() != "tpu")
+    return _make_kernel(mask, group, q_seq_shards, block, sharding.platform() != "tpu")
 
 
 @functools.lru_cache(maxsize=64)
-def _make_kernel(mask, heads, q_seq_shards, block, interpret):
+def _make_kernel(mask, group, q_seq_shards, block, interpret):
     # Cached: the block tables are built in Python, a loop over every block of the mask.
     sk, sm = _lib()
     sizes = None if block is None else sk.BlockSizes(*(block,) * 8)
     make = functools.partial(
-        sk.make_splash_mha,
-        sm.MultiHeadMask([mask] * heads),
+        sk.make_splash_mqa,
+        sm.MultiHeadMask([mask] * group),
         head_shards=1,
         q_seq_shards=q_seq_shards,
         block_sizes=sizes,
@@ -172,15 +173,18 @@ def _make_kernel(mask, heads, q_seq_shards, block, interpret):
 def _run(kernel, q, k, v, q_seg, k_seg, sinks):
     """q [b, s, n, h] over k/v [b, t, kh, h] with segment ids [b, s] / [b, t] -> [b, s, n, h]."""
     sk, _ = _lib()
-    n, kh = q.shape[2], k.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[3])
+    (_, s, n, h), kh = q.shape, k.shape[2]
+    scale = 1.0 / math.sqrt(h)
+    # GQA as splash's MQA kernel mapped over the KV heads: query head j reads KV head
+    # j // group, and no KV head is copied per query head (8x the gathered keys of a split
+    # full layer at gpt-oss's 64 / 8 heads).
+    groups = lambda a: a.reshape(kh, n // kh, *a.shape[1:])
+    sinks = groups(sinks.astype(jnp.float32))
 
-    def one(qb, kb, vb, q_segb, k_segb):
-        # [heads, s, h] per batch row; GQA: each KV head serves n // kh query heads.
-        kb = jnp.repeat(kb, n // kh, axis=0)
-        vb = jnp.repeat(vb, n // kh, axis=0)
+    def one(qb, kb, vb, q_segb, k_segb):  # qb [n, s, h], kb/vb [kh, t, h]
         seg = sk.SegmentIds(q=q_segb, kv=k_segb)
-        return kernel(qb * scale, kb, vb, segment_ids=seg, sinks=sinks.astype(jnp.float32))
+        per_kv = lambda qg, kg, vg, sg: kernel(qg, kg, vg, segment_ids=seg, sinks=sg)
+        return jax.vmap(per_kv)(groups(qb * scale), kb, vb, sinks).reshape(n, s, h)
 
     heads_first = lambda a: a.transpose(0, 2, 1, 3)
     out = jax.vmap(one)(heads_first(q), heads_first(k), heads_first(v), q_seg, k_seg)

@@ -78,6 +78,7 @@ class Split:
     seq_len: int
     shard_len: int
     heads: int
+    group: int
     window: int | None
     lead: int
     block: int
@@ -124,6 +125,7 @@ def attention(q, k, v, sinks, *, positions, segment_ids, window, block, local=bl
         seq_len=q.shape[1],
         shard_len=q.shape[1] // size(q_spec[1]),
         heads=q.shape[2] // size(q_spec[2]),
+        group=q.shape[2] // k.shape[2],
         window=window,
         # at most a shard's length (length_axes)
         lead=0 if window is None else xla_attention.lead_keys(window),

@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
-from support import ROOT, mxfp4_reference
+from support import ROOT, mxfp4_experts, mxfp4_reference
 
 from gpt_oss_train import sharding
-from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.arrays.layer_views import LayerView
 from gpt_oss_train.arrays.mxfp4_array import MXFP4Array
 from gpt_oss_train.kernels import Kernels, registry
@@ -40,28 +39,7 @@ def test_in_kernel_decoding_matches_the_bit_fields():
     np.testing.assert_array_equal(np.asarray(mx._e8m0(scales)), 2.0 ** (np.arange(1, 255) - 127))
 
 
-def _case(t, k, e, d, f, seed, crowd=False):
-    """Tokens, routing and MXFP4 experts (quantized from random floats), with the float64
-    dequantization of their bytes by the reference. crowd: every token's first choice is
-    the last expert, whose rows then fill several tiles."""
-    rng = np.random.RandomState(seed)
-    x = rng.randn(t, d)
-    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
-    if crowd:
-        idx[:, 0] = e - 1
-        idx[:, 1:] = np.stack([rng.choice(e - 1, k - 1, replace=False) for _ in range(t)])
-    weights = rng.dirichlet(np.ones(k), t)
-    shapes = dict(wi_gate=(e, d, f), wi_up=(e, d, f), wo=(e, f, d))
-    quantize = jax.jit(mxfp4_array.quantize)
-    packed = {n: quantize(jnp.asarray(rng.randn(*s) * 0.3, jnp.float32)) for n, s in shapes.items()}
-    deq = {
-        n: mxfp4_reference.dequantize(*map(np.asarray, mxfp4_array.to_file(p.blocks, p.scales)))
-        for n, p in packed.items()
-    }
-    biases = dict(bi_gate=rng.randn(e, f), bi_up=rng.randn(e, f), bo=rng.randn(e, d))
-    w = ExpertWeights(**packed, **{n: jnp.asarray(b, jnp.float32) for n, b in biases.items()})
-    tokens = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(idx))
-    return tokens, w, {**deq, **biases}
+_case = mxfp4_experts.case
 
 
 def _run(tokens, w, dtype, block_out=mx.BLOCK_OUT):

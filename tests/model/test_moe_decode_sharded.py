@@ -11,14 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import mxfp4_reference
+from support import mxfp4_experts
 
 from gpt_oss_train import config as config_lib
 from gpt_oss_train import sharding
-from gpt_oss_train.arrays import mxfp4_array
 from gpt_oss_train.arrays.layer_views import LayerView
 from gpt_oss_train.kernels import Kernels, registry
-from gpt_oss_train.kernels.xla.experts import ExpertWeights
 from gpt_oss_train.model import moe as moe_lib
 
 KW = dict(limit=7.0, alpha=1.702)
@@ -38,23 +36,8 @@ def _tpu_kernels_interpreted(monkeypatch):
 
 
 def _case(seed=0):
-    """Tokens, routing and MXFP4 experts quantized from random floats, with the float64
-    dequantization of their bytes by the reference."""
-    rng = np.random.RandomState(seed)
-    x = rng.randn(T, D)
-    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])
-    weights = rng.dirichlet(np.ones(K), T)
-    shapes = dict(wi_gate=(E, D, F), wi_up=(E, D, F), wo=(E, F, D))
-    quantize = jax.jit(mxfp4_array.quantize)
-    packed = {n: quantize(jnp.asarray(rng.randn(*s) * 0.3, jnp.float32)) for n, s in shapes.items()}
-    deq = {
-        n: mxfp4_reference.dequantize(*map(np.asarray, mxfp4_array.to_file(p.blocks, p.scales)))
-        for n, p in packed.items()
-    }
-    biases = dict(bi_gate=rng.randn(E, F), bi_up=rng.randn(E, F), bo=rng.randn(E, D))
-    w = ExpertWeights(**packed, **{n: jnp.asarray(b, jnp.float32) for n, b in biases.items()})
-    tokens = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(idx))
-    return tokens, w, {**deq, **biases}
+    """Tokens, routing and MXFP4 experts with their float64 dequantization."""
+    return mxfp4_experts.case(T, K, E, D, F, seed)
 
 
 def _sharded(kernels, mesh_sizes, tokens, w, dtype=jnp.float32, capacity_factor=0.0):

@@ -3,8 +3,8 @@
 20.9B params x (4 B param + 8 B Adam) = 251 GB of state. Experts shard 4 ways over
 `expert` (32 experts -> 8 per chip) and 64 ways FSDP; the other weights shard FSDP 64
 ways (2880 does not divide by 256, so the `expert` axis cannot join). One sequence of
-4096 tokens per chip, full remat, splash attention, expert-parallel MoE, the unembedding
-gathered once for the loss (train.loss_gather_once).
+4096 tokens per chip, full remat, splash attention, expert-parallel MoE in rounds of a
+capacity, the unembedding gathered once for the loss (train.loss_gather_once).
 
 Check it from a CPU with the compiler the pod runs (the launch scripts' 64 MiB
 scoped-VMEM limit); its memory a chip and estimated step time are in docs/AOT.md:
@@ -24,6 +24,10 @@ def get_config(model: str = "gpt-oss-20b"):
     c.remat_policy = "full"
     c.kernels.attention = "splash"
     c.moe_impl = "sharded"
+    # Each shard's expert rows in buffers of 1.25x its balanced share, not of every pair
+    # landing on it (4x here, 16x for the 120b on v5p): rounds past the first run only
+    # for the rows past that, so no token is dropped (docs/AOT.md, "Training steps").
+    c.moe_capacity_factor = 1.25
     c.mesh.update(data=1, fsdp=-1, tensor=1, expert=4)
     c.train.update(
         steps=10000,

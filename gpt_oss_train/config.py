@@ -107,9 +107,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.remat_policy = "full"  # a name in model/remat.POLICIES
     c.attention_block = 512  # query block of the blockwise attention
     c.moe_impl = "ragged"  # a name in model/moe.EXPERT_IMPLS
-    # moe_impl="sharded" with its tokens gathered: > 0 runs each shard's rows in rounds of
-    # this multiple of its share under balanced routing (still exact: rounds continue to
-    # the last row); 0 sizes one pass for the worst routing (every pair on one shard).
+    # moe_impl="sharded": > 0 runs each shard's rows in rounds of this multiple of its
+    # share under balanced routing, buffers of that size (still exact: rounds past the
+    # first run while rows are left); 0 sizes one pass for the worst routing (every pair
+    # on one shard).
     c.moe_capacity_factor = 0.0
     c.moe_token_tile = 0  # > 0: the MoE runs in tiles of this many tokens (long context)
     c.seed = 0

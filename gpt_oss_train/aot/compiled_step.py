@@ -26,12 +26,16 @@ def bytes_per_device(tree) -> int:
     )
 
 
-def ragged_rows(moe_impl: str, mesh, rules) -> float:
-    """The share of a grouped matmul's rows that hold data: expert parallelism sizes them
-    for the worst routing (every pair on one shard), so under balanced routing a ragged
-    dot's rows hold data 1/expert of the time."""
+def ragged_rows(moe_impl: str, mesh, rules, capacity_factor: float = 0.0) -> float:
+    """The share of a grouped matmul's rows that hold data under balanced routing: expert
+    parallelism sizes them for the worst routing (every pair on one shard), 1/expert of
+    them holding data, or with a capacity (config.moe_capacity_factor) for that multiple
+    of a shard's balanced share, 1/capacity_factor of them (the first round's)."""
+    if moe_impl != "sharded":
+        return 1.0
     exp_axes = sharding.spec_axes(sharding.logical_to_spec(("exp",), rules)[0])
-    return 1.0 / math.prod(mesh.shape[a] for a in exp_axes) if moe_impl == "sharded" else 1.0
+    shards = math.prod(mesh.shape[a] for a in exp_axes)
+    return min(1.0, 1.0 / (min(capacity_factor, shards) if capacity_factor > 0 else shards))
 
 
 def compile_lowered(info: dict, lowered, mesh, rules, dump_dir: str | None) -> dict:

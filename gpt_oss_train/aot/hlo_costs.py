@@ -144,8 +144,19 @@ def _callees(inst: Inst) -> list[tuple[str, str]]:
     return []
 
 
-def runs_of(module: Module) -> tuple[dict[str, float], set[str], list[Loop], list[str]]:
-    """(times each computation runs per step, the fused ones, the loops, notes)."""
+def skips(inst: Inst, scope: str | None) -> bool:
+    """A conditional made under the JAX name scope `scope` (its op_name holds it)."""
+    if scope is None or inst.opcode != "conditional":
+        return False
+    m = re.search(r'op_name="([^"]*)"', inst.attrs)
+    return bool(m) and f"/{scope}/" in f"/{m.group(1)}/"
+
+
+def runs_of(
+    module: Module, skip_scope: str | None = None
+) -> tuple[dict[str, float], set[str], list[Loop], list[str]]:
+    """(times each computation runs per step, the fused ones, the loops, notes). The
+    branches of conditionals made under the name scope `skip_scope` run no times."""
     order, seen = [], set()
 
     def visit(name):  # post-order: callers after callees; reversed, callers first
@@ -158,15 +169,20 @@ def runs_of(module: Module) -> tuple[dict[str, float], set[str], list[Loop], lis
 
     visit(module.entry)
     runs = collections.defaultdict(float, {module.entry: 1.0})
-    fused, loops, notes, branches = set(), [], [], False
+    fused, loops, notes, branches, skipped = set(), [], [], False, 0
     for name in reversed(order):
         comp = module.computations[name]
         for inst in comp.insts.values():
-            trips, branches = 1, branches or inst.opcode == "conditional"
+            trips, skip = 1, skips(inst, skip_scope)
+            counted = runs[name] > 0
+            branches = branches or (inst.opcode == "conditional" and not skip and counted)
+            skipped += skip and counted
             if inst.opcode == "while":
                 loop = _trips(module, comp, inst)
                 loops.append(loop)
                 trips = loop.trip_count if loop.trip_count is not None else 1
+            if skip:
+                trips = 0
             for callee, how in _callees(inst):
                 runs[callee] += runs[name] * trips
                 if how == "fused" or name in fused:
@@ -175,6 +191,8 @@ def runs_of(module: Module) -> tuple[dict[str, float], set[str], list[Loop], lis
     if unknown:
         names = ", ".join(unknown[:4])
         notes.append(f"{len(unknown)} loop(s) with no known trip count, counted once: {names}")
+    if skipped:
+        notes.append(f"{skipped} conditional(s) named {skip_scope}: not run (not counted)")
     if branches:
         notes.append("conditionals: every branch counted as if it ran (an upper bound)")
     return runs, fused, loops, notes

@@ -243,6 +243,7 @@ def _estimate_lines(e: dict) -> list[str]:
         lines.append(
             f"  bounds    step {ms(e['step_lower_s'])} ms if every part overlapped, "
             f"{ms(e['step_upper_s'])} ms if none did"
+            + (" and every MoE round ran" if e.get("every_round_s") else "")
             + (f" (host transfers {ms(e['host_s'])} ms)" if e.get("host_s") else "")
         )
     wrapped = textwrap.wrap(f"({e['assumption']})", 80)

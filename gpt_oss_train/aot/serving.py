@@ -141,7 +141,9 @@ def figures(md, mesh, rules, params, cache, program: str, shape: Shape, devices)
         "model_flops_per_device": (
             flops.decode_flops_per_token(md.cfg, shape.context) * tokens / len(devices)
         ),
-        "ragged_rows": compiled_step.ragged_rows(md.cfg.moe_impl, mesh, rules),
+        "ragged_rows": compiled_step.ragged_rows(
+            md.cfg.moe_impl, mesh, rules, md.cfg.moe_capacity_factor
+        ),
     }
 
 

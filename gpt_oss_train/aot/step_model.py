@@ -47,6 +47,7 @@ import re
 from gpt_oss_train import hardware
 from gpt_oss_train.aot import hlo_costs
 from gpt_oss_train.aot.hlo_text import Computation, Inst, MeshSpec, Module, nbytes, parse
+from gpt_oss_train.kernels.xla.expert_parallel import OVERFLOW_SCOPE
 
 # ----------------------------------------------------------------------------- the account
 
@@ -73,6 +74,9 @@ class StepAccount:
     loops: list[hlo_costs.Loop] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     traffic: list[Traffic] = dataclasses.field(default_factory=list)  # largest first
+    # The same program with its routing-dependent rounds counted (OVERFLOW_SCOPE's
+    # conditionals), where it has any: the upper bound's account. None: nothing left out.
+    every_round: StepAccount | None = None
 
 
 @dataclasses.dataclass
@@ -107,9 +111,24 @@ def account(
 ) -> StepAccount:
     """What one step of the program does per chip (module docstring). `ragged_rows`: the
     share of a ragged dot's rows that hold data (its FLOPs are counted for those only):
-    buffers sized for the worst routing hold 1/expert-shards of their rows on average."""
+    buffers sized for the worst routing hold 1/expert-shards of their rows on average.
+
+    The MoE's rounds past the first (conditionals under OVERFLOW_SCOPE) run only when a
+    shard's pairs exceed one round's capacity, which balanced routing does not: they are
+    left out here and counted in `every_round`, the upper bound's account."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
-    runs, fused, loops, notes = hlo_costs.runs_of(module)
+    acct = _account(module, mesh, ragged_rows, OVERFLOW_SCOPE)
+    if any(n.endswith(f"named {OVERFLOW_SCOPE}: not run (not counted)") for n in acct.notes):
+        acct.every_round = _account(module, mesh, ragged_rows, None)
+        acct.notes.append(
+            f"rounds past the first ({OVERFLOW_SCOPE}): left out of the estimate and the "
+            "lower bound (balanced routing fits one round), counted in the upper bound"
+        )
+    return acct
+
+
+def _account(module: Module, mesh, ragged_rows: float, skip_scope: str | None) -> StepAccount:
+    runs, fused, loops, notes = hlo_costs.runs_of(module, skip_scope)
     acct = StepAccount(loops=loops, notes=notes)
     for name, times in runs.items():
         comp = module.computations[name]
@@ -141,8 +160,8 @@ def account(
     acct.traffic = sorted(acct.traffic, key=lambda t: -t.bytes)[:TOP_TRAFFIC]
     if ragged_rows != 1.0:
         notes.append(
-            f"ragged dots: FLOPs of {ragged_rows:.3g} of their rows (buffers sized for the "
-            "worst routing, balanced routing assumed); their bytes count every row"
+            f"ragged dots: FLOPs of {ragged_rows:.3g} of their rows (those that hold data "
+            "under balanced routing); their bytes count every row"
         )
     offloaded = [c for c in acct.collectives if c.sparse_core]
     if offloaded:
@@ -181,6 +200,8 @@ def _kernels(calls: list[CustomCall]) -> dict[str, dict]:
     """Custom calls summed by kernel: runs, bytes and FLOPs per step (None: not costed)."""
     out = {}
     for c in calls:
+        if not c.runs:  # in a branch that does not run (the MoE's rounds past the first)
+            continue
         row = out.setdefault(
             c.kernel, dict(runs=0.0, operand_bytes=0.0, result_bytes=0.0, flops=0.0)
         )
@@ -230,17 +251,30 @@ def _collective_seconds(
     return ici_s, dcn_s
 
 
-def bounds(parts: dict[str, float | None], host_bytes: float, host_bandwidth: float | None) -> dict:
+def _seconds(acct: StepAccount, chip: hardware.Chip) -> tuple:
+    """(compute, HBM, ICI, DCN) seconds of an account on `chip` (None: no figure)."""
+    hbm_s = acct.hbm_bytes / chip.hbm_bandwidth if chip.hbm_bandwidth else None
+    return (acct.flops / chip.peak_flops, hbm_s, *_collective_seconds(acct, chip))
+
+
+def bounds(
+    parts: dict[str, float | None],
+    host_bytes: float,
+    host_bandwidth: float | None,
+    upper_parts: dict[str, float | None] | None = None,
+) -> dict:
     """(step_lower_s, step_upper_s, host_s): every part overlapped against none. The
     host transfers count at `host_bandwidth` (bytes/s a device, both ways together);
     without it they are left out of the lower bound (which stays a bound) and the upper
-    bound is None. A part without its chip figure (None) leaves both None."""
+    bound is None. A part without its chip figure (None) leaves both None. `upper_parts`:
+    the upper bound's own parts where they differ (every MoE round counted)."""
     host_s = host_bytes / host_bandwidth if host_bandwidth else (0.0 if not host_bytes else None)
     known = list(parts.values())
-    if any(t is None for t in known):
+    every = list((upper_parts or parts).values())
+    if any(t is None for t in known + every):
         return {"step_lower_s": None, "step_upper_s": None, "host_s": host_s}
     lower = max([*known, host_s or 0.0])
-    upper = None if host_s is None else sum(known) + host_s
+    upper = None if host_s is None else sum(every) + host_s
     return {"step_lower_s": lower, "step_upper_s": upper, "host_s": host_s}
 
 
@@ -252,7 +286,7 @@ def _charge(e: dict, host_bandwidth: float | None, devices_per_chip: int) -> Non
     (None: not charged), and the note that says which."""
     per_device = host_bandwidth / devices_per_chip if host_bandwidth else None
     parts = {k: e[f"{k}_s"] for k in ("compute", "hbm", "ici", "dcn")}
-    e.update(bounds(parts, e["host_bytes"], per_device))
+    e.update(bounds(parts, e["host_bytes"], per_device, e.get("every_round_s")))
     e["notes"] = [n for n in e["notes"] if not n.startswith(_HOST_NOTE)]
     if e["host_bytes"]:
         charged = (
@@ -292,10 +326,11 @@ def estimate(
     if chip is None:
         out["notes"].append("no figures for this chip in gpt_oss_train/hardware.py: no estimate")
         return out
-    compute_s = acct.flops / chip.peak_flops
-    hbm_s = acct.hbm_bytes / chip.hbm_bandwidth if chip.hbm_bandwidth else None
-    ici_s, dcn_s = _collective_seconds(acct, chip)
+    compute_s, hbm_s, ici_s, dcn_s = _seconds(acct, chip)
     out.update(compute_s=compute_s, hbm_s=hbm_s, ici_s=ici_s, dcn_s=dcn_s)
+    if acct.every_round is not None:
+        every = _seconds(acct.every_round, chip)
+        out["every_round_s"] = dict(zip(("compute", "hbm", "ici", "dcn"), every, strict=True))
     if hbm_s is None:
         out["notes"].append("no HBM bandwidth figure for this chip: no step time")
     links = [name for name, t in (("ICI", ici_s), ("DCN", dcn_s)) if t is None]

@@ -88,7 +88,9 @@ def compile_step(config, devices, dump_dir: str | None = None, lowered_step=None
     t0 = time.perf_counter()
     setup, lowered = lowered_step or lower(config, devices)
     info = _state_figures(setup, devices)
-    info["ragged_rows"] = compiled_step.ragged_rows(config.moe_impl, setup.mesh, setup.rules)
+    info["ragged_rows"] = compiled_step.ragged_rows(
+        config.moe_impl, setup.mesh, setup.rules, config.moe_capacity_factor
+    )
     info["top_arguments"] = [
         f"{b / 2**20:10.1f}MiB  {what}" for b, what in largest_arguments(setup, 6)
     ]

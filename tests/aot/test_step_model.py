@@ -286,6 +286,46 @@ def test_a_scatter_writes_only_its_updates():
     assert step_model.account(bare).hbm_bytes == 2 * 4 * 64 * 4
 
 
+OVERFLOW = """HloModule overflow
+
+%run (a: f32[64,64]) -> f32[64,64] {
+  %a = f32[64,64]{1,0} parameter(0)
+  ROOT %d = f32[64,64]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%skip (b: f32[64,64]) -> f32[64,64] {
+  ROOT %b = f32[64,64]{1,0} parameter(0)
+}
+
+ENTRY %main (x: f32[64,64], go: pred[]) -> f32[64,64] {
+  %x = f32[64,64]{1,0} parameter(0)
+  %go = pred[] parameter(1)
+  %first = f32[64,64]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %more = f32[64,64]{1,0} conditional(%go, %first, %first), true_computation=%run, false_computation=%skip, metadata={op_name="jit(step)/shard_map/moe_overflow_round/cond"}
+}
+"""  # noqa: E501
+
+
+def test_moe_rounds_past_the_first_count_in_the_upper_bound_only():
+    """A conditional under OVERFLOW_SCOPE (the MoE's rounds past the first): the estimate
+    and the lower bound leave its branches out, the upper bound counts them (here one
+    dot of 2 x 64^3 FLOPs and 3 x 16 KiB of traffic, the same again as the first)."""
+    assert step_model.OVERFLOW_SCOPE in OVERFLOW
+    dot_flops, dot_bytes = 2.0 * 64**3, 3 * 64 * 64 * 4
+    acct = step_model.account(OVERFLOW)
+    assert (acct.flops, acct.hbm_bytes) == (dot_flops, dot_bytes)
+    assert (acct.every_round.flops, acct.every_round.hbm_bytes) == (2 * dot_flops, 2 * dot_bytes)
+    chip = hardware.Chip(1e12, None, 1e9, ici_bandwidth=4e9)
+    e = step_model.estimate(acct, chip)
+    assert e["step_s"] == pytest.approx(max(dot_flops / 1e12, dot_bytes / 1e9), rel=1e-12)
+    assert e["step_lower_s"] == e["step_s"]
+    assert e["step_upper_s"] == pytest.approx(2 * (dot_flops / 1e12 + dot_bytes / 1e9), rel=1e-12)
+    assert any("counted in the upper bound" in n for n in acct.notes)
+    # Unnamed, the same conditional counts everywhere, as if it ran.
+    plain = step_model.account(OVERFLOW.replace("moe_overflow_round/", ""))
+    assert plain.every_round is None and plain.hbm_bytes == 2 * dot_bytes
+
+
 NESTED_PASS_THROUGH = """HloModule nested_pass_through
 
 %as_is (p0: bf16[256,128]) -> bf16[256,128] {

@@ -349,12 +349,14 @@ def test_sharded_gradients_on_an_expert_mesh_equal_dense(exchange):
             )
 
 
+@pytest.mark.parametrize("exchange", ["xla", "all_to_all"])
 @pytest.mark.parametrize("routing", ["routed", "all_on_one_shard"])
-def test_capacity_rounds_equal_one_pass_with_gradients(routing):
-    """config.moe_capacity_factor: a shard's rows run in rounds of a capacity (here 1/2
-    and 1x the balanced share, so several rounds run; with every pair on one shard, that
-    shard needs 4x its share and the others none) and give the one-pass outputs and
-    gradients."""
+def test_capacity_rounds_equal_one_pass_with_gradients(routing, exchange):
+    """config.moe_capacity_factor: a shard's rows run in rounds of a capacity (here 1/2,
+    1x and 2x the balanced share, so from one round to several run; with every pair on
+    one shard, that shard needs 4x its share and the others none) and give the one-pass
+    outputs and gradients, whichever way the tokens move."""
+    kernels = Kernels.of(expert_parallel=exchange)
     x, kernel, bias, w = _moe_inputs(t=64)
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     weights, idx, _ = moe_lib.route(f32(x), f32(kernel), f32(bias), 2)
@@ -363,7 +365,9 @@ def test_capacity_rounds_equal_one_pass_with_gradients(routing):
     ew = moe_lib.ExpertWeights(**{n: f32(a) for n, a in w.items()})
 
     def run(capacity_factor):
-        fn = functools.partial(moe_lib.sharded_experts, capacity_factor=capacity_factor)
+        fn = functools.partial(
+            moe_lib.sharded_experts, capacity_factor=capacity_factor, kernels=kernels
+        )
         loss = lambda x, wts, ew: jnp.sum(jnp.sin(fn(x, wts, idx, ew, dtype=jnp.float32, **GLU)))
         y = fn(f32(x), weights, idx, ew, dtype=jnp.float32, **GLU)
         return y, jax.grad(loss, argnums=(0, 1, 2))(f32(x), weights, ew)
@@ -372,8 +376,8 @@ def test_capacity_rounds_equal_one_pass_with_gradients(routing):
     with sharding.use_mesh(mesh, config_lib.DEFAULT_RULES):
         want = jax.jit(lambda: run(0.0))()
         jaxpr = str(jax.make_jaxpr(lambda: run(0.5))())
-        assert "cond[" in jaxpr and "scan[" in jaxpr  # the rounds, each skippable
-        for factor in (0.5, 1.0):
+        assert "cond[" in jaxpr and "scan[" in jaxpr  # the rounds past the first, skippable
+        for factor in (0.5, 1.0, 2.0):
             got = jax.jit(lambda: run(factor))()
             # The same products summed in another order (the rounds scatter-add each
             # weighted row; one pass may fuse multiply-adds): float32 rounding apart.

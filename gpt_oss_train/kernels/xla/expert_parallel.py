@@ -15,14 +15,17 @@ n expert shards of d-wide rows:
               all-to-all of ~(n - 1)/n t k d, and back. k / n of gather's bytes: for
               gpt-oss-120b (k 4) over 16 expert shards, a quarter.
 
-Buffers are sized for the worst case (every pair on one shard: n t k rows), so no token
-is ever dropped. `gather` can instead run its rows in rounds of a capacity, a multiple
-(`capacity_factor`) of a shard's share under balanced routing: still exact, since the
-rounds continue until every row of this shard has run (a round past the last row is
-skipped), with buffers of the capacity, not of the worst case.
+No token is ever dropped. With `capacity_factor` 0 the buffers are sized for the worst
+case (every pair on one shard: n t k rows). Else rows run in rounds of a capacity, that
+multiple of a shard's share under balanced routing, with buffers of the capacity: the
+first round always runs and the others only while rows are left (`overflow_rounds`), so
+the result is the same whatever the routing, and under routing within the capacity one
+round of the capacity's rows is all a layer pays for.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,9 +78,9 @@ def round_capacity(rows: float) -> int:
 def _in_rounds(experts, x, wts, key, order, group_sizes, capacity, out_bias):
     """`gather`'s sorted rows through `experts` `capacity` at a time -> float32 [t, d].
 
-    Rounds run over the sorted pairs in order and stop mattering at the last row this
-    shard holds (sum(group_sizes)): a round that starts past it is skipped. Each round is
-    rematerialized in the backward pass, so one round's activations are live at a time."""
+    Rounds run over the sorted pairs in order. The first always runs; the rest run only
+    while this shard has rows left (start < sum(group_sizes)), so with a capacity at or
+    above a shard's pairs only the first does (`overflow_rounds`)."""
     t, k = wts.shape
     rows = t * k
     rounds = -(-rows // capacity)
@@ -86,30 +89,91 @@ def _in_rounds(experts, x, wts, key, order, group_sizes, capacity, out_bias):
     key_s = jnp.pad(key[order], (0, pad), constant_values=local_e)  # padding: not mine
     token_s = jnp.pad(order // k, (0, pad))
     weight_s = jnp.pad(wts.reshape(-1)[order].astype(jnp.float32), (0, pad))
-    mine = group_sizes.sum()
     window = lambda a, start: jax.lax.dynamic_slice_in_dim(a, start, capacity)
 
-    def run(start):
+    def add_round(out, start):
         keys = window(key_s, start)
         sizes = jnp.bincount(keys, length=local_e + 1)[:local_e].astype(jnp.int32)
         y = experts(x[window(token_s, start)], keys, sizes)
-        return window(weight_s, start)[:, None] * experts_lib.finish_rows(y, out_bias, keys)
+        y = window(weight_s, start)[:, None] * experts_lib.finish_rows(y, out_bias, keys)
+        return out.at[window(token_s, start)].add(y)
 
-    # The checkpoint outside the conditional: its residuals are then its inputs, the
-    # round's start and the loop's constants (the tokens, this layer's experts), which the
-    # scan keeps once; inside, the branch's inputs would leave the conditional as
-    # residuals and be stacked once per round.
-    @jax.checkpoint
-    def contribution(start):
-        skip = lambda start: jnp.zeros((capacity, x.shape[1]), jnp.float32)
-        return jax.lax.cond(start < mine, run, skip, start)
+    out = add_round(jnp.zeros((t, x.shape[1]), jnp.float32), 0)
+    return overflow_rounds(add_round, out, rounds, capacity, group_sizes.sum())
 
-    def one_round(out, r):
-        start = r * capacity
-        return out.at[window(token_s, start)].add(contribution(start)), None
 
-    out, _ = jax.lax.scan(one_round, jnp.zeros((t, x.shape[1]), jnp.float32), jnp.arange(rounds))
-    return out
+# The name scope of the rounds past the first, which run only when a shard's rows exceed
+# one round's capacity: the step model (aot/step_model.py) finds their conditionals by it,
+# leaving them out of its estimate under balanced routing and counting them in the upper
+# bound.
+OVERFLOW_SCOPE = "moe_overflow_round"
+
+
+def overflow_rounds(add_round, carry, rounds: int, capacity: int, rows_here):
+    """`carry = add_round(carry, start)` for the rounds 1 .. rounds - 1 (start = r x
+    capacity) that hold rows (start < rows_here), in a scan of conditionals; a round past
+    the rows passes the carry on untouched. `add_round` adds to its carry (the carry's
+    gradient is the cotangent itself), so the backward pass is written here: a round
+    that did not run adds nothing to any gradient either. Differentiated by autodiff, a
+    skipped round would still add its zero gradient of every value it closes over (the
+    experts' weights: three [experts, d, f] matrices a round) to the running sums."""
+    if rounds <= 1:
+        return carry
+    # Every value add_round closes over becomes an explicit operand, the integer ones too
+    # (jax.closure_convert keeps those closed over, and they would leak into the backward
+    # pass's trace under shard_map).
+    closed = jax.make_jaxpr(add_round)(carry, jnp.zeros((), jnp.int32))
+    consts = closed.consts
+    fn = lambda c, s, *cs: jax.core.eval_jaxpr(closed.jaxpr, cs, c, s)[0]
+    starts = jnp.arange(1, rounds, dtype=jnp.int32) * capacity
+    return _overflow(fn, rows_here, starts, carry, *consts)
+
+
+def _each_round(starts, rows_here, carry, run):
+    """carry = run(carry, start) for each start below rows_here, in a scan."""
+
+    def step(carry, start):
+        with jax.named_scope(OVERFLOW_SCOPE):
+            return jax.lax.cond(start < rows_here, run, lambda c, s: c, carry, start), None
+
+    return jax.lax.scan(step, carry, starts)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _overflow(fn, rows_here, starts, carry, *consts):
+    return _each_round(starts, rows_here, carry, lambda c, s: fn(c, s, *consts))
+
+
+def _overflow_fwd(fn, rows_here, starts, carry, *consts):
+    return _overflow(fn, rows_here, starts, carry, *consts), (rows_here, starts, consts)
+
+
+def _overflow_bwd(fn, res, ct):
+    """Each round that ran, again (rematerialized), its gradients added to running sums
+    that a skipped round passes on untouched."""
+    rows_here, starts, consts = res
+
+    wrt = [i for i, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+    def run(sums, start):
+        # the round's own addition to the carry, pulled back (any carry will do: ct's)
+        def round_of(*floats):
+            cs = list(consts)
+            for i, f in zip(wrt, floats, strict=True):
+                cs[i] = f
+            return fn(ct, start, *cs)
+
+        _, pull = jax.vjp(round_of, *(consts[i] for i in wrt))
+        return tuple(a + g for a, g in zip(sums, pull(ct), strict=True))
+
+    sums = _each_round(starts, rows_here, tuple(jnp.zeros_like(consts[i]) for i in wrt), run)
+    grads = [None] * len(consts)
+    for i, g in zip(wrt, sums, strict=True):
+        grads[i] = g
+    return (None, None, ct, *grads)
+
+
+_overflow.defvjp(_overflow_fwd, _overflow_bwd)
 
 
 def all_to_all(
@@ -125,8 +189,14 @@ def all_to_all(
     out_bias,
     capacity_factor=0.0,
 ):
-    """As `gather`, exchanging only the pairs each shard computes (see the docstring). Its
-    receive buffer stays sized for the worst case: `capacity_factor` is not used here."""
+    """As `gather`, exchanging only the pairs each shard computes (see the docstring).
+
+    A shard's received rows are one list: by sender, then by local expert. A round takes
+    the window [start, start + capacity) of every shard's list at once: each sender sends
+    the part of its chunk for j that lands in j's window, j runs its window through its
+    experts, and the results go back to where they left. Round 0 always runs; the rest
+    only while some shard of the group has rows left, decided alike on every shard (the
+    counts are shared) since each round exchanges."""
     t, k = idx.shape
     n = sharding.axes_size(expert_axes)
     pairs = t * k  # the most rows one device sends to, or gets back from, another
@@ -142,22 +212,45 @@ def all_to_all(
     sizes = counts.sum(-1)  # [senders, receivers]
     starts = _exclusive_cumsum(sizes, axis=1)  # where each sender's chunk for j begins
     lands = _exclusive_cumsum(sizes, axis=0)  # where it lands in receiver j's rows
+    worst = n * pairs  # every pair of the group on this shard
+    capacity = round_capacity(capacity_factor * pairs)
+    capacity = capacity if 0 < capacity < worst else worst
+    rounds = -(-worst // capacity)
     received = counts[:, me]  # [senders, local experts]
-    # Out: sorted pairs to their shards; arrive grouped by sender, then by local expert.
-    rows = _exchange(
-        x[order // k], n * pairs, starts[me], sizes[me], lands[me], sizes[:, me], expert_axes, pairs
-    )
-    key = _expert_of_received_rows(received, local_e, n * pairs)
-    by_expert = jnp.argsort(key, stable=True)
-    y = experts(rows[by_expert], key[by_expert], received.sum(0))
-    y = experts_lib.unsort_rows(y, by_expert)
-    # Back: each sender's rows return to where they left its sorted buffer. Only rows that
-    # arrived go back, so the undefined ones stay here; the output bias is added at home,
-    # in the weighted sum, from every expert's (a few MB): a pass over the pairs a device
-    # sent rather than over the receive buffer, n times their rows.
-    y = _exchange(
-        y, pairs, lands[:, me], sizes[:, me], starts[:, me], sizes[me], expert_axes, pairs
-    )
+    key_all = _expert_of_received_rows(received, local_e, rounds * capacity)
+    x_sorted = x[order // k]
+
+    def add_round(y_pairs, start):
+        # the part of each sender's chunk for j that falls in j's window: [a, b) of j's rows
+        a = jnp.maximum(lands, start)
+        cnt = jnp.maximum(jnp.minimum(lands + sizes, start + capacity) - a, 0)
+        send_from = jnp.where(cnt > 0, starts + a - lands, 0)  # [senders, receivers]
+        land_at = jnp.where(cnt > 0, a - start, 0)
+        chunk = min(pairs, capacity)
+        # Out: my sorted pairs to their shards' windows, arriving by sender then expert.
+        rows = _exchange(
+            x_sorted, capacity, send_from[me], cnt[me], land_at[me], cnt[:, me], expert_axes, chunk
+        )
+        key = jax.lax.dynamic_slice_in_dim(key_all, start, capacity)
+        by_expert = jnp.argsort(key, stable=True)
+        group_sizes = jnp.bincount(key, length=local_e + 1)[:local_e].astype(jnp.int32)
+        y = experts_lib.unsort_rows(experts(rows[by_expert], key[by_expert], group_sizes), by_expert)
+        # Back: each sender's rows return to where they left its sorted buffer. Only rows
+        # that arrived go back, so the undefined ones stay here.
+        back = _exchange(
+            y, pairs, land_at[:, me], cnt[:, me], send_from[:, me], cnt[me], expert_axes, chunk
+        )
+        return back if y_pairs is None else y_pairs + back
+
+    y = add_round(None, 0)
+    # Every device takes the same branch of each round, whatever its group: a round's
+    # exchange then never waits on a device that skipped it (one integer's all-reduce).
+    rows_max = sizes.sum(0).max()
+    if rounds > 1:
+        rows_max = jax.lax.pmax(rows_max, sharding.active()[0].axis_names)
+    y = overflow_rounds(add_round, y, rounds, capacity, rows_max)
+    # The output bias is added at home, in the weighted sum, from every expert's (a few
+    # MB): a pass over the pairs a device sent rather than over the receive buffer.
     every_bias = jax.lax.all_gather(out_bias, expert_axes, axis=0, tiled=True)
     out = experts_lib.weighted_sum(wts, y, order, every_bias, flat)
     # (tokens are split over every expert axis here: all_to_all_accepts)

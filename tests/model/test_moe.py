@@ -380,9 +380,11 @@ def test_capacity_rounds_equal_one_pass_with_gradients(routing, exchange):
         for factor in (0.5, 1.0, 2.0):
             got = jax.jit(lambda: run(factor))()
             # The same products summed in another order (the rounds scatter-add each
-            # weighted row; one pass may fuse multiply-adds): float32 rounding apart.
+            # weighted row; one pass may fuse multiply-adds): float32 rounding apart
+            # (worst seen 1.5e-6 of a leaf's largest value, gathered with every pair on
+            # one shard).
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+                np.testing.assert_allclose(a, b, rtol=2e-6, atol=4e-6 * np.abs(b).max())
 
 
 def test_capacity_is_whole_tiles():

@@ -118,7 +118,8 @@ def account(
     left out here and counted in `every_round`, the upper bound's account."""
     module = hlo if isinstance(hlo, Module) else parse(hlo)
     acct = _account(module, mesh, ragged_rows, OVERFLOW_SCOPE)
-    if any(n.endswith(f"named {OVERFLOW_SCOPE}: not run (not counted)") for n in acct.notes):
+    rounds = (i for c in module.computations.values() for i in c.insts.values())
+    if any(hlo_costs.skips(inst, OVERFLOW_SCOPE) for inst in rounds):
         acct.every_round = _account(module, mesh, ragged_rows, None)
         acct.notes.append(
             f"rounds past the first ({OVERFLOW_SCOPE}): left out of the estimate and the "
